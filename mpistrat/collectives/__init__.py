@@ -1,0 +1,7 @@
+"""Layer 2: collectives over host and device buffers, behind one entry point."""
+
+from mpistrat.collectives.engine import CollectiveEngine
+from mpistrat.collectives.options import (CommunicationImplementation, CommunicationOptions)
+from mpistrat.collectives.reduce_op import ReduceOp
+
+__all__ = ["CollectiveEngine", "CommunicationImplementation", "CommunicationOptions", "ReduceOp"]

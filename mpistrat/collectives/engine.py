@@ -1,0 +1,197 @@
+"""``CollectiveEngine``: the single entry point of every collective.
+
+Each call flattens its nested input, checks that the engine is still
+usable, validates across ranks (``validation.agree``), picks the backend
+for each kind of array (``backends.select_backend``), records a trace line
+when ``MPISTRAT_TRACE=1``, runs, and rebuilds the structure::
+
+    >>> import numpy as np
+    >>> from mpistrat.collectives import CollectiveEngine
+    >>> from mpistrat.runtime import get_world
+    >>> engine = CollectiveEngine(get_world().comm)
+    >>> engine.all_reduce({"w": np.ones(3)}, "SUM")["w"]      # doctest: +SKIP
+    array([2., 2., 2.])                                        # on 2 ranks
+"""
+
+import logging
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from mpistrat import nest
+from mpistrat.collectives.backends import select_backend
+from mpistrat.collectives.deadline import Deadline, wait_all
+from mpistrat.collectives.options import CommunicationOptions
+from mpistrat.collectives.reduce_op import ReduceOp
+from mpistrat.collectives.validation import agree, validation_enabled
+from mpistrat.errors import AbortedError, DeadlineExceededError, InvalidArgumentError
+from mpistrat.runtime.devices import Capabilities, array_kind, capabilities
+
+__all__ = ["CollectiveEngine", "default_timeout"]
+
+log = logging.getLogger("mpistrat.collectives")
+
+
+def _configure_trace() -> None:
+    if os.environ.get("MPISTRAT_TRACE", "") in ("", "0") or log.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    rank = MPI.COMM_WORLD.Get_rank()
+    handler.setFormatter(logging.Formatter(f"[mpistrat rank {rank}] %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+
+
+_configure_trace()
+
+
+def default_timeout() -> Optional[float]:
+    """The timeout used when options give none (``MPISTRAT_COLLECTIVE_TIMEOUT`` seconds)."""
+    text = os.environ.get("MPISTRAT_COLLECTIVE_TIMEOUT", "").strip()
+    return float(text) if text else None
+
+
+def _as_array(value: Any):
+    return value if array_kind(value) != "numpy" else np.asarray(value)
+
+
+def _signature(arrays) -> tuple:
+    return tuple((np.dtype(a.dtype).name, tuple(a.shape)) for a in arrays)
+
+
+class CollectiveEngine:
+    """Collectives over one communicator: ``all_reduce``, ``all_gather``, ``broadcast``.
+
+    After a collective times out the ranks are out of step; the engine then
+    refuses every further call with ``AbortedError`` instead of hanging.
+    """
+
+    def __init__(self, comm: MPI.Comm, options: Optional[CommunicationOptions] = None):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.options = options or CommunicationOptions()
+        self.validate = validation_enabled()
+        self._broken: Optional[str] = None
+        self._calls = 0
+
+    # -- the common prologue -------------------------------------------------
+    def _begin(self, what: str, signature: tuple, options: Optional[CommunicationOptions]):
+        if self._broken:
+            raise AbortedError(f"{what} refused on rank {self.rank}: {self._broken}")
+        opts = self.options.merge(options)
+        timeout = opts.timeout_seconds if opts.timeout_seconds is not None else default_timeout()
+        deadline = Deadline.after(timeout)
+        self._calls += 1
+        if log.isEnabledFor(logging.DEBUG):
+            total = sum(int(np.prod(shape, dtype=np.int64)) for _, shape in signature)
+            log.debug("#%d %s: %d tensors, %d elements, timeout=%s", self._calls, what,
+                      len(signature), total, timeout)
+        if self.validate and self.size > 1:
+            self._guard(agree, self.comm, what, signature, deadline)
+        return opts, deadline
+
+    def _guard(self, fn, *args):
+        try:
+            return fn(*args)
+        except DeadlineExceededError as err:
+            self._broken = f"an earlier collective timed out ({err})"
+            raise
+
+    def _run(self, what, arrays, opts, call):
+        """Group ``arrays`` by kind, run ``call(backend, indices)`` per group."""
+        results: List = [None] * len(arrays)
+        groups: Dict[str, List[int]] = {}
+        for index, array in enumerate(arrays):
+            groups.setdefault(array_kind(array), []).append(index)
+        for kind, indices in groups.items():
+            backend = select_backend(kind, opts.implementation, capabilities()
+                                     if kind != "numpy" else _HOST_CAPS)
+            log.debug("#%d %s: %d %s tensors via %s", self._calls, what, len(indices), kind,
+                      backend.name)
+            for index, result in zip(indices, self._guard(call, backend, indices)):
+                results[index] = result
+        return results
+
+    # -- collectives ---------------------------------------------------------
+    def all_reduce(self, value: Any, op, options: Optional[CommunicationOptions] = None) -> Any:
+        """Combine ``value`` (a nest of arrays) element-wise over all ranks."""
+        op = ReduceOp.from_any(op)
+        arrays = [_as_array(v) for v in nest.flatten(value)]
+        what = f"all_reduce {op.name}"
+        opts, deadline = self._begin(what, _signature(arrays), options)
+        results = self._run(what, arrays, opts, lambda backend, idx: backend.all_reduce(
+            self.comm, [arrays[i] for i in idx], op, opts.pack_bytes, deadline))
+        return nest.pack_sequence_as(value, results)
+
+    def all_gather(self, value: Any, axis: int = 0,
+                   options: Optional[CommunicationOptions] = None) -> Any:
+        """Concatenate ``value`` from all ranks along ``axis``, in rank order.
+
+        Shapes may differ along ``axis`` only; anything else raises
+        ``InvalidArgumentError`` (a ``ValueError``) on every rank, naming ranks.
+        """
+        arrays = [_as_array(v) for v in nest.flatten(value)]
+        what = f"all_gather axis={axis}"
+        masked = tuple((np.dtype(a.dtype).name,
+                        tuple(-1 if d == _axis_or_none(axis, a.ndim) else n
+                              for d, n in enumerate(a.shape))) for a in arrays)
+        opts, deadline = self._begin(what, masked, options)
+        for index, array in enumerate(arrays):
+            if array.ndim == 0:
+                raise InvalidArgumentError(
+                    f"{what}: tensor {index} is a scalar (rank-0) on every rank; gather "
+                    f"concatenates along an axis, so reshape it to [1] or use reduce")
+            if _axis_or_none(axis, array.ndim) is None:
+                raise InvalidArgumentError(
+                    f"{what}: axis {axis} is out of range for tensor {index} of shape "
+                    f"{tuple(array.shape)}")
+        counts = self._gather_counts(what, arrays, axis, deadline)
+        results = self._run(what, arrays, opts, lambda backend, idx: backend.all_gather(
+            self.comm, [arrays[i] for i in idx], [counts[i] for i in idx],
+            _axis_or_none(axis, arrays[idx[0]].ndim), deadline))
+        return nest.pack_sequence_as(value, results)
+
+    def _gather_counts(self, what, arrays, axis, deadline) -> List[List[int]]:
+        """Rows along ``axis`` of every tensor on every rank: ``counts[tensor][rank]``."""
+        mine = np.array([a.shape[_axis_or_none(axis, a.ndim)] for a in arrays], dtype=np.int64)
+        table = np.empty((self.size, len(arrays)), dtype=np.int64)
+        if deadline is None:
+            self.comm.Allgather(mine, table)
+        else:
+            self._guard(wait_all, [self.comm.Iallgather(mine, table)], deadline, what)
+        return table.T.tolist()
+
+    def broadcast(self, value: Any, root: int = 0,
+                  options: Optional[CommunicationOptions] = None) -> Any:
+        """Every rank receives ``root``'s ``value`` (same structure, shapes and dtypes)."""
+        arrays = [_as_array(v) for v in nest.flatten(value)]
+        what = f"broadcast root={root}"
+        opts, deadline = self._begin(what, _signature(arrays), options)
+        results = self._run(what, arrays, opts, lambda backend, idx: backend.broadcast(
+            self.comm, [arrays[i] for i in idx], root, deadline))
+        return nest.pack_sequence_as(value, results)
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Broadcast small picklable metadata (never array data)."""
+        if self._broken:
+            raise AbortedError(f"broadcast_object refused on rank {self.rank}: {self._broken}")
+        return self.comm.bcast(obj, root=root)
+
+    def barrier(self, options: Optional[CommunicationOptions] = None) -> None:
+        """Wait until every rank has arrived (honours the timeout)."""
+        _, deadline = self._begin("barrier", (), options)
+        self._guard(wait_all, [self.comm.Ibarrier()], deadline, "barrier")
+
+
+def _axis_or_none(axis: int, ndim: int) -> Optional[int]:
+    """``axis`` normalised into ``[0, ndim)``, or ``None`` when out of range."""
+    if -ndim <= axis < ndim:
+        return axis % ndim
+    return None
+
+
+_HOST_CAPS = Capabilities(cuda_aware_mpi=False, nccl=False)  # NumPy needs no detection

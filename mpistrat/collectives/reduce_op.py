@@ -1,0 +1,42 @@
+"""``ReduceOp``: how values from different replicas are combined.
+
+``SUM`` and ``MEAN`` as in ``tf.distribute.ReduceOp``; ``MIN`` and ``MAX`` are
+extensions. Strings are accepted case-insensitively::
+
+    >>> from mpistrat import ReduceOp
+    >>> ReduceOp.from_any("mean") is ReduceOp.MEAN
+    True
+"""
+
+import enum
+
+from mpi4py import MPI
+
+__all__ = ["ReduceOp"]
+
+
+class ReduceOp(enum.Enum):
+    """Reduction across replicas: ``SUM``, ``MEAN``, ``MIN``, ``MAX``."""
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+    MIN = "MIN"
+    MAX = "MAX"
+
+    @classmethod
+    def from_any(cls, op) -> "ReduceOp":
+        """Accept a ``ReduceOp`` or its name in any case; ``ValueError`` otherwise."""
+        if isinstance(op, cls):
+            return op
+        if isinstance(op, str) and op.upper() in cls.__members__:
+            return cls[op.upper()]
+        raise ValueError(f"unknown reduce op {op!r}; use one of "
+                         f"{', '.join(cls.__members__)} (strings are accepted in any case)")
+
+    @property
+    def mpi_op(self) -> MPI.Op:
+        """The MPI operation that combines raw values (MEAN sums, then divides)."""
+        return {"SUM": MPI.SUM, "MEAN": MPI.SUM, "MIN": MPI.MIN, "MAX": MPI.MAX}[self.value]
+
+    def __repr__(self) -> str:
+        return f"ReduceOp.{self.name}"

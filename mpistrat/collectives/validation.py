@@ -1,0 +1,102 @@
+"""Before a collective, ranks agree on what they are about to combine.
+
+Each rank reduces its *signature* (kind of collective, op, dtype and shape
+of every tensor) to a 64-bit hash, cached per signature, and one tiny
+``Allreduce`` (MAX of ``h`` and of ``-h``) tells every rank whether all hashes
+are equal. Only on a mismatch do ranks exchange the signatures themselves, to
+build an error that names the ranks and what differs. The cost is one
+16-byte ``Allreduce`` per collective (about 2 µs on 2 ranks here); set
+``MPISTRAT_VALIDATE=0`` to skip it.
+
+    >>> from mpistrat.collectives.validation import describe_mismatch
+    >>> print(describe_mismatch("all_reduce SUM",
+    ...     [(("float32", (3,)),), (("float32", (4,)),)]))
+    all_reduce SUM: ranks disagree on tensor 0: rank 0 has float32[3]; rank 1 has float32[4]
+"""
+
+import hashlib
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from mpistrat.collectives.deadline import Deadline, wait_all
+from mpistrat.errors import InvalidArgumentError
+
+__all__ = ["Signature", "validation_enabled", "agree", "describe_mismatch", "format_ranks"]
+
+Signature = Tuple[Tuple[str, Tuple[int, ...]], ...]
+_HASHES: Dict[tuple, int] = {}
+
+
+def validation_enabled() -> bool:
+    """Whether cross-rank validation is on (``MPISTRAT_VALIDATE``, default on)."""
+    return os.environ.get("MPISTRAT_VALIDATE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _hash(key: tuple) -> int:
+    value = _HASHES.get(key)
+    if value is None:
+        digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+        value = int.from_bytes(digest, "little", signed=True) >> 1  # room to negate
+        _HASHES[key] = value
+    return value
+
+
+def format_ranks(ranks: Sequence[int]) -> str:
+    """``[1]`` -> ``'rank 1'``, ``[0, 2]`` -> ``'ranks 0, 2'``."""
+    ranks = list(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(str(r) for r in ranks)
+
+
+def _describe_tensor(entry) -> str:
+    if entry is None:
+        return "nothing"
+    dtype, shape = entry
+    return f"{dtype}[{','.join(str(d) for d in shape)}]"
+
+
+def describe_mismatch(what: str, signatures: Sequence[Signature]) -> str:
+    """Name the first tensor on which ranks differ and which rank has what (pure)."""
+    counts = {len(sig) for sig in signatures}
+    if len(counts) > 1:
+        groups: Dict[int, List[int]] = {}
+        for rank, sig in enumerate(signatures):
+            groups.setdefault(len(sig), []).append(rank)
+        parts = [f"{format_ranks(r)} pass{'es' if len(r) == 1 else ''} {n} tensors"
+                 for n, r in groups.items()]
+        return f"{what}: ranks disagree on the number of tensors: " + "; ".join(parts)
+    length = counts.pop() if counts else 0
+    for index in range(length):
+        entries = [sig[index] for sig in signatures]
+        if len(set(entries)) > 1:
+            groups2: Dict[tuple, List[int]] = {}
+            for rank, entry in enumerate(entries):
+                groups2.setdefault(entry, []).append(rank)
+            parts = [f"{format_ranks(r)} {'has' if len(r) == 1 else 'have'} {_describe_tensor(e)}"
+                     for e, r in groups2.items()]
+            return f"{what}: ranks disagree on tensor {index}: " + "; ".join(parts)
+    return f"{what}: ranks disagree on the collective itself (kind or op)"
+
+
+def agree(comm: MPI.Comm, what: str, signature: Signature,
+          deadline: Optional[Deadline]) -> None:
+    """Raise ``InvalidArgumentError`` on every rank unless all ranks pass the same signature."""
+    h = _hash((what, signature))
+    probe = np.array([h, -h], dtype=np.int64)
+    result = np.empty_like(probe)
+    if deadline is None:
+        comm.Allreduce(probe, result, MPI.MAX)
+    else:
+        wait_all([comm.Iallreduce(probe, result, MPI.MAX)], deadline, f"{what} (validation)")
+    if result[0] == -result[1]:  # max(h) == min(h): every rank passed the same
+        return
+    everyone = comm.allgather((what, signature))  # small metadata, only on the error path
+    kinds = {w for w, _ in everyone}
+    if len(kinds) > 1:
+        names = "; ".join(f"rank {r} calls {w}" for r, (w, _) in enumerate(everyone))
+        raise InvalidArgumentError(f"ranks are in different collectives: {names}")
+    raise InvalidArgumentError(describe_mismatch(what, [sig for _, sig in everyone]))

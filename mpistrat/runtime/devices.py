@@ -1,0 +1,118 @@
+"""What kind of array a value is, what this rank's transport can do, and staging.
+
+CuPy and JAX are optional and imported only when a value of theirs shows up.
+The kind of an array is read from its type's module, never by importing::
+
+    >>> import numpy as np
+    >>> from mpistrat.runtime.devices import array_kind, gpu_for_local_rank
+    >>> array_kind(np.zeros(3)), array_kind(1.5)
+    ('numpy', 'numpy')
+    >>> gpu_for_local_rank(local_rank=5, num_gpus=4)
+    1
+"""
+
+import ctypes
+import ctypes.util
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = ["array_kind", "gpu_for_local_rank", "Capabilities", "capabilities",
+           "cuda_aware_mpi", "to_host", "from_host"]
+
+
+def array_kind(value: Any) -> str:
+    """``"cupy"``, ``"jax"`` or ``"numpy"`` (NumPy arrays, scalars, lists, ...)."""
+    module = type(value).__module__ or ""
+    if module.startswith("cupy"):
+        return "cupy"
+    if module.startswith(("jax", "jaxlib")):
+        return "jax"
+    return "numpy"
+
+
+def gpu_for_local_rank(local_rank: int, num_gpus: int) -> int:
+    """The GPU a rank binds to: its local rank, wrapped over the visible GPUs."""
+    if num_gpus < 1:
+        raise ValueError("gpu_for_local_rank: no GPU is visible")
+    return local_rank % num_gpus
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_aware_mpi() -> Tuple[bool, str]:
+    """Whether MPI accepts device pointers, and how that was decided.
+
+    ``MPISTRAT_CUDA_AWARE_MPI=0/1`` decides outright; otherwise Open MPI is
+    asked through its ``MPIX_Query_cuda_support`` extension. Any other MPI,
+    or an Open MPI without the extension, counts as not CUDA-aware: device
+    buffers are then staged through host memory.
+    """
+    forced = os.environ.get("MPISTRAT_CUDA_AWARE_MPI", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1", f"MPISTRAT_CUDA_AWARE_MPI={forced}"
+    version = MPI.Get_library_version()
+    if "Open MPI" not in version:
+        return False, f"not Open MPI ({version.splitlines()[0][:60]}); no query available"
+    for name in ("libmpi.so.40", ctypes.util.find_library("mpi")):
+        if not name:
+            continue
+        try:
+            query = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL).MPIX_Query_cuda_support
+        except (OSError, AttributeError):
+            continue
+        query.restype = ctypes.c_int
+        supported = bool(query())
+        return supported, f"MPIX_Query_cuda_support() in {name} returned {int(supported)}"
+    return False, "Open MPI without the CUDA extension (MPIX_Query_cuda_support not found)"
+
+
+@functools.lru_cache(maxsize=None)
+def nccl_available() -> Tuple[bool, str]:
+    """Whether CuPy's NCCL binding imports (CuPy 14 needs the explicit import)."""
+    try:
+        from cupy.cuda import nccl  # noqa: F401
+    except Exception as err:  # ImportError, or CUDA missing at import
+        return False, f"cupy.cuda.nccl unavailable: {type(err).__name__}: {err}"
+    return True, "cupy.cuda.nccl imported"
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the transport of this rank can do with device buffers."""
+
+    cuda_aware_mpi: bool
+    nccl: bool
+
+
+def capabilities() -> Capabilities:
+    """Detect the capabilities once (lazily: nothing is imported for NumPy-only jobs)."""
+    return Capabilities(cuda_aware_mpi=cuda_aware_mpi()[0], nccl=nccl_available()[0])
+
+
+def to_host(value: Any) -> np.ndarray:
+    """Copy a device array into host memory (pinned memory for CuPy)."""
+    kind = array_kind(value)
+    if kind == "cupy":
+        import cupyx
+        host = cupyx.empty_pinned(value.shape, value.dtype)
+        value.get(out=host)
+        return host
+    return np.asarray(value)
+
+
+def from_host(host: np.ndarray, like: Any) -> Any:
+    """Copy ``host`` back to the kind and device of ``like``."""
+    kind = array_kind(like)
+    if kind == "cupy":
+        import cupy
+        with cupy.cuda.Device(like.device.id):
+            return cupy.asarray(host)
+    if kind == "jax":
+        import jax
+        sharding = getattr(like, "sharding", None)
+        return jax.device_put(host, sharding) if sharding is not None else jax.numpy.asarray(host)
+    return host

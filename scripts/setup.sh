@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One-command, idempotent set-up for a fresh Debian machine:
+#   Debian's Open MPI and parallel HDF5, a virtual environment in .venv,
+#   mpi4py, numpy, pytest, pytest-mpi, tqdm, JAX (CPU), and h5py built
+#   against parallel HDF5. A second run only checks and takes seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PY="$VENV/bin/python"
+APT_PACKAGES="openmpi-bin libopenmpi-dev libhdf5-openmpi-dev pkg-config"
+STAMP="$VENV/.mpistrat-setup"
+want_stamp=$(cat scripts/setup.sh pyproject.toml | sha256sum | cut -c1-16)
+
+sudo_if_needed() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
+
+# 1. System packages (Debian's Open MPI and parallel HDF5).
+missing=""
+for p in $APT_PACKAGES; do
+    dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+    echo "setup: installing Debian packages:$missing"
+    sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing
+fi
+
+# 2. Virtual environment.
+[ -x "$PY" ] || python3 -m venv "$VENV"
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want_stamp" ] \
+   && "$PY" -c "import h5py, mpi4py, mpistrat; assert h5py.get_config().mpi" 2>/dev/null; then
+    echo "setup: up to date ($VENV)"
+    exit 0
+fi
+
+PIP="$PY -m pip install -q --disable-pip-version-check"
+$PIP --upgrade pip "setuptools>=70" wheel
+$PIP numpy "cython>=3" pkgconfig "mpi4py>=4.0" pytest pytest-mpi pytest-timeout tqdm
+
+# 3. h5py against parallel HDF5 (pip caches the built wheel).
+if ! "$PY" -c "import h5py; assert h5py.get_config().mpi" 2>/dev/null; then
+    echo "setup: building h5py against parallel HDF5 (a few minutes the first time)"
+    "$PY" -m pip uninstall -y -q h5py 2>/dev/null || true
+    CC=mpicc HDF5_MPI=ON HDF5_PKGCONFIG_NAME=hdf5-openmpi \
+        $PIP --no-binary=h5py --no-build-isolation h5py
+fi
+
+# 4. JAX for CPU (the TPUStrategy bridge is tested on virtual CPU devices).
+"$PY" -c "import jax" 2>/dev/null || $PIP "jax[cpu]"
+
+# 5. The package itself, editable.
+$PIP --no-deps --no-build-isolation -e .
+
+"$PY" -c "import h5py; assert h5py.get_config().mpi, 'h5py lacks MPI support'"
+echo "$want_stamp" > "$STAMP"
+echo "setup: done ($VENV)"

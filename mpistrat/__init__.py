@@ -1,1 +1,44 @@
-"""mpistrat."""
+"""mpistrat: the ``tf.distribute`` Strategy API and ``tf.train.Checkpoint`` over MPI.
+
+One replica per MPI rank; launch with ``mpirun -n N python train.py``::
+
+    import mpistrat as ms
+
+    strategy = ms.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        w = ms.Variable(0.0, aggregation=ms.VariableAggregation.MEAN)
+
+    def step(x):
+        w.assign_add(x)               # averaged over replicas
+        return x
+
+    out = strategy.run(step, args=(1.0,))
+    print(strategy.reduce("SUM", out, axis=None))   # N
+"""
+
+from mpistrat import errors, nest
+from mpistrat.runtime import install_abort_hook as _install_abort_hook
+
+_install_abort_hook()
+
+from mpistrat import cluster_resolver, config  # noqa: E402
+from mpistrat.collectives import (CommunicationImplementation, CommunicationOptions,  # noqa: E402
+                                  ReduceOp)
+from mpistrat.distribute import (DistributedValues, InputContext, InputOptions,  # noqa: E402
+                                 Mirrored, MirroredStrategy, MultiWorkerMirroredStrategy,
+                                 PerReplica, ReplicaContext, RunOptions, Strategy, ValueContext,
+                                 Variable, VariableAggregation, VariableSynchronization,
+                                 get_replica_context, get_strategy, has_strategy,
+                                 in_cross_replica_context)
+from mpistrat import experimental  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "errors", "nest", "cluster_resolver", "config", "experimental",
+    "CommunicationImplementation", "CommunicationOptions", "ReduceOp",
+    "DistributedValues", "InputContext", "InputOptions", "Mirrored", "MirroredStrategy",
+    "MultiWorkerMirroredStrategy", "PerReplica", "ReplicaContext", "RunOptions", "Strategy",
+    "ValueContext", "Variable", "VariableAggregation", "VariableSynchronization",
+    "get_replica_context", "get_strategy", "has_strategy", "in_cross_replica_context",
+]

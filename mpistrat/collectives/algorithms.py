@@ -63,11 +63,14 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
               deadline: Optional[Deadline], algorithm: str) -> None:
     """Combine ``send`` across ``comm`` into ``recv`` (both contiguous, same shape).
 
-    ``send`` may be ``MPI.IN_PLACE`` for the ``mpi`` algorithm.
+    ``send`` may be ``recv`` itself (in place).
     """
     if algorithm == "ring":
         _ring_allreduce(comm, send, recv, op, deadline)
-    elif deadline is None:
+        return
+    if send is recv:
+        send = MPI.IN_PLACE
+    if deadline is None:
         comm.Allreduce(send, recv, op.mpi_op)
     else:
         wait_all([comm.Iallreduce(send, recv, op.mpi_op)], deadline, f"all_reduce {op.name}")

@@ -38,6 +38,8 @@ class Deadline:
 def wait_all(requests: Sequence[MPI.Request], deadline: Optional[Deadline], what: str) -> None:
     """Complete ``requests``; past ``deadline``, raise ``DeadlineExceededError``.
 
+    The error carries the unfinished requests as ``pending_requests``.
+
     Polls with a short back-off (10 µs growing to 1 ms), so a fast collective
     pays little while a stalled one is noticed within a millisecond.
     """
@@ -48,9 +50,11 @@ def wait_all(requests: Sequence[MPI.Request], deadline: Optional[Deadline], what
     pause = 1e-5
     while not MPI.Request.Testall(requests):
         if deadline.expired():
-            raise DeadlineExceededError(
+            error = DeadlineExceededError(
                 f"{what} did not complete within timeout_seconds={deadline.seconds:g} on rank "
                 f"{MPI.COMM_WORLD.Get_rank()}: another rank did not join it (still computing, "
                 f"hung or dead); the communicator is now unusable, restart the job")
+            error.pending_requests = requests  # still active: complete or cancel them
+            raise error
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)

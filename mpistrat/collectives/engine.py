@@ -175,6 +175,15 @@ class CollectiveEngine:
             self.comm, [arrays[i] for i in idx], root, deadline))
         return nest.pack_sequence_as(value, results)
 
+    def agree(self, what: str, signature: tuple,
+              options: Optional[CommunicationOptions] = None) -> None:
+        """Check that all ranks pass the same ``signature`` of ``(dtype, shape)`` entries.
+
+        Lets a caller make a rank-local error (a bad axis, say) a collective
+        one, so every rank raises together instead of one rank leaving.
+        """
+        self._begin(what, signature, options)
+
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Broadcast small picklable metadata (never array data)."""
         if self._broken:

@@ -1,0 +1,17 @@
+"""Layer 3: distributed values, contexts, strategies and variables."""
+
+from mpistrat.distribute.context import (InputContext, ValueContext, get_replica_context,
+                                         get_strategy, has_strategy, in_cross_replica_context)
+from mpistrat.distribute.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
+from mpistrat.distribute.options import InputOptions, RunOptions
+from mpistrat.distribute.replica_context import ReplicaContext
+from mpistrat.distribute.strategy import Strategy, StrategyExtended
+from mpistrat.distribute.values import DistributedValues, Mirrored, PerReplica
+from mpistrat.distribute.variables import Variable, VariableAggregation, VariableSynchronization
+
+__all__ = [
+    "InputContext", "ValueContext", "get_replica_context", "get_strategy", "has_strategy",
+    "in_cross_replica_context", "MirroredStrategy", "MultiWorkerMirroredStrategy", "InputOptions",
+    "RunOptions", "ReplicaContext", "Strategy", "StrategyExtended", "DistributedValues",
+    "Mirrored", "PerReplica", "Variable", "VariableAggregation", "VariableSynchronization",
+]

@@ -1,0 +1,20 @@
+"""How results are handed back to the user: rank-0 arrays become NumPy scalars.
+
+    >>> import numpy as np
+    >>> scalars_to_numpy({"loss": np.array(2.5), "w": np.ones(2)})
+    {'loss': np.float64(2.5), 'w': array([1., 1.])}
+"""
+
+from typing import Any
+
+import numpy as np
+
+from mpistrat import nest
+
+__all__ = ["scalars_to_numpy"]
+
+
+def scalars_to_numpy(value: Any) -> Any:
+    """Turn every 0-d NumPy array in a nest into a NumPy scalar."""
+    return nest.map_structure(
+        lambda x: x[()] if isinstance(x, np.ndarray) and x.ndim == 0 else x, value)

@@ -1,0 +1,207 @@
+"""``Strategy``: the ``tf.distribute.Strategy`` API with one replica per MPI rank.
+
+Subclasses (``MirroredStrategy``, ``MultiWorkerMirroredStrategy``) only
+choose the communicator and the cluster; the semantics live here::
+
+    >>> import mpistrat as ms
+    >>> strategy = ms.MultiWorkerMirroredStrategy()
+    >>> with strategy.scope():
+    ...     v = ms.Variable(1.0)
+    >>> def step(x):
+    ...     return x * 2
+    >>> out = strategy.run(step, args=(float(strategy.extended.local_replica_ids[0]),))
+    >>> strategy.reduce("SUM", out, axis=None)            # doctest: +SKIP
+    np.float64(2.0)                                       # on 2 ranks: 0*2 + 1*2
+"""
+
+import contextlib
+from typing import Any, Callable, Iterator, Optional, Tuple
+
+import numpy as np
+
+from mpistrat import nest
+from mpistrat.collectives import CollectiveEngine, ReduceOp
+from mpistrat.distribute.context import ValueContext, current_strategy_entry, entered
+from mpistrat.distribute.replica_context import ReplicaContext
+from mpistrat.distribute.results import scalars_to_numpy
+from mpistrat.distribute.values import PerReplica, local_component
+
+__all__ = ["Strategy", "StrategyExtended"]
+
+
+class StrategyExtended:
+    """Lower-level facts and tools of a strategy (``strategy.extended``)."""
+
+    def __init__(self, strategy: "Strategy", engine: CollectiveEngine,
+                 worker_devices: Tuple[str, ...]):
+        self._container_strategy = strategy
+        self.engine = engine
+        self.worker_devices = tuple(worker_devices)
+        self.parameter_devices = self.worker_devices
+        self.experimental_require_static_shapes = False
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.engine.size
+
+    @property
+    def local_replica_ids(self) -> Tuple[int, ...]:
+        """Global ids of the replicas this rank runs (one per rank here)."""
+        return (self.engine.rank,)
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this worker writes checkpoint metadata (the first one)."""
+        return self.engine.rank == 0
+
+    should_save_summary = should_checkpoint
+
+    @property
+    def default_replica_context(self) -> ReplicaContext:
+        return ReplicaContext(self._container_strategy, self.local_replica_ids[0])
+
+
+class Strategy:
+    """Base class of the strategies; see the module docstring for an example."""
+
+    def __init__(self, engine: CollectiveEngine, worker_devices: Tuple[str, ...],
+                 cluster_resolver: Any = None):
+        self._extended = StrategyExtended(self, engine, worker_devices)
+        self._cluster_resolver = cluster_resolver
+
+    # -- facts ---------------------------------------------------------------
+    @property
+    def extended(self) -> StrategyExtended:
+        """Lower-level facts: ``worker_devices``, ``local_replica_ids``, ``engine``."""
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of replicas that take part in collectives (ranks here)."""
+        return self._extended.num_replicas_in_sync
+
+    @property
+    def cluster_resolver(self):
+        """The cluster resolver the strategy was built from (``None`` if none)."""
+        return self._cluster_resolver
+
+    # -- contexts ------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self) -> Iterator["Strategy"]:
+        """Make this the current strategy; variables created inside are mirrored.
+
+        Re-entrant; entering another strategy's scope inside raises ``RuntimeError``.
+        """
+        entry = current_strategy_entry()
+        if entry is not None and entry.strategy is not self:
+            raise RuntimeError(
+                f"Mixing different strategies: {type(entry.strategy).__name__} is current, "
+                f"so the scope of this {type(self).__name__} cannot be entered inside it")
+        with entered(self, entry.replica_context if entry else None):
+            yield self
+
+    def _require_cross_replica(self, method: str) -> None:
+        entry = current_strategy_entry()
+        if entry is None:
+            return
+        if entry.strategy is not self:
+            raise RuntimeError(f"{type(self).__name__}.{method} called inside the scope of "
+                               f"another strategy ({type(entry.strategy).__name__})")
+        if entry.replica_context is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}.{method} must be called in cross-replica context, not "
+                f"inside strategy.run; use ms.get_replica_context().all_reduce/all_gather there")
+
+    # -- running -------------------------------------------------------------
+    def run(self, fn: Callable, args=(), kwargs=None, options=None):
+        """Run ``fn`` on this rank's replica; return its result as a plain value.
+
+        ``PerReplica`` arguments are replaced by this replica's component.
+        """
+        if not isinstance(args, (list, tuple)):
+            raise ValueError(f"run: args must be a list or tuple, got {type(args).__name__}; "
+                             f"write args=(x,) for a single argument")
+        self._require_cross_replica("run")
+        kwargs = kwargs or {}
+        local_args = nest.map_structure(local_component, list(args))
+        local_kwargs = nest.map_structure(local_component, kwargs)
+        context = ReplicaContext(self, self._extended.local_replica_ids[0])
+        with entered(self, context):
+            return fn(*local_args, **local_kwargs)
+
+    # -- cross-replica collectives -------------------------------------------
+    def reduce(self, reduce_op, value: Any, axis: Optional[int]):
+        """Combine ``value`` across replicas; every rank receives the result.
+
+        ``axis=None``: element-wise (``MEAN`` divides by ``num_replicas_in_sync``).
+        ``axis=k``: also reduce along dimension ``k``; ``MEAN`` divides by the
+        total number of rows along ``k`` over all replicas.
+        """
+        self._require_cross_replica("reduce")
+        op = ReduceOp.from_any(reduce_op)
+        local = nest.map_structure(local_component, value)
+        engine = self._extended.engine
+        if axis is None:
+            return scalars_to_numpy(engine.all_reduce(local, op))
+        arrays = [np.asarray(x) for x in nest.flatten(local)]
+        bad = [i for i, a in enumerate(arrays) if not -a.ndim <= axis < a.ndim]
+        # Agree first, so that every rank raises together (never one rank alone).
+        engine.agree(f"reduce axis={axis}", tuple(
+            (a.dtype.name + (" (axis out of range)" if i in bad else ""), a.shape)
+            for i, a in enumerate(arrays)))
+        if bad:
+            shapes = ", ".join(str(arrays[i].shape) for i in bad)
+            raise ValueError(f"reduce: axis {axis} is out of range for value(s) of shape {shapes}")
+        return scalars_to_numpy(nest.pack_sequence_as(
+            local, _reduce_along_axis(engine, op, arrays, axis)))
+
+    def gather(self, value: Any, axis: int):
+        """Concatenate ``value`` from all replicas along ``axis``, in replica-id order.
+
+        Shapes may differ along ``axis`` only; scalars raise ``ValueError``.
+        """
+        self._require_cross_replica("gather")
+        local = nest.map_structure(local_component, value)
+        return self._extended.engine.all_gather(local, axis)
+
+    # -- distributed values --------------------------------------------------
+    def experimental_local_results(self, value: Any) -> tuple:
+        """The local components of ``value``: one entry per local replica."""
+        count = len(self._extended.local_replica_ids)
+        return tuple(nest.map_structure(lambda v, i=i: local_component(v, i), value)
+                     for i in range(count))
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable) -> PerReplica:
+        """Call ``value_fn(ValueContext)`` for each local replica; return a ``PerReplica``."""
+        self._require_cross_replica("experimental_distribute_values_from_function")
+        ids = self._extended.local_replica_ids
+        values = [value_fn(ValueContext(rid, self.num_replicas_in_sync)) for rid in ids]
+        return PerReplica(values, ids)
+
+    def __repr__(self) -> str:
+        return f"<mpistrat.{type(self).__name__} num_replicas_in_sync={self.num_replicas_in_sync}>"
+
+
+_IDENTITY = {ReduceOp.MIN: "max", ReduceOp.MAX: "min"}
+
+
+def _partial(op: ReduceOp, array: np.ndarray, axis: int) -> np.ndarray:
+    """This replica's contribution along ``axis`` (empty batches give the identity)."""
+    if op in (ReduceOp.SUM, ReduceOp.MEAN):
+        return np.sum(array, axis=axis)
+    fn = np.min if op is ReduceOp.MIN else np.max
+    if array.shape[axis] == 0:
+        info = np.finfo(array.dtype) if array.dtype.kind == "f" else np.iinfo(array.dtype)
+        fill = getattr(info, _IDENTITY[op])
+        return np.full(np.delete(array.shape, axis), fill, dtype=array.dtype)
+    return fn(array, axis=axis)
+
+
+def _reduce_along_axis(engine: CollectiveEngine, op: ReduceOp, arrays, axis: int):
+    partials = [_partial(op, a, axis) for a in arrays]
+    if op is not ReduceOp.MEAN:
+        return engine.all_reduce(partials, op)
+    # MEAN: divide the global sum by the global number of rows along the axis.
+    rows = np.array([a.shape[axis] for a in arrays], dtype=np.int64)
+    sums, totals = engine.all_reduce((partials, rows), ReduceOp.SUM)
+    return [s / t for s, t in zip(sums, totals)]

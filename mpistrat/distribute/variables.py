@@ -1,0 +1,198 @@
+"""``ms.Variable``: mutable state that strategies keep in sync.
+
+Created inside ``strategy.scope()`` a variable is distributed: every rank
+starts from rank 0's initial value. ``ON_WRITE`` (the default) variables are
+mirrored and updated through their aggregation; ``ON_READ`` ones keep a
+value per replica and are combined when read in cross-replica context::
+
+    >>> import mpistrat as ms
+    >>> v = ms.Variable(1.0)                  # outside any scope: an ordinary variable
+    >>> v.assign_add(2.0).numpy()
+    array(3.)
+"""
+
+import enum
+from typing import Any, Optional
+
+import numpy as np
+from numpy.lib.mixins import NDArrayOperatorsMixin
+
+from mpistrat.collectives import ReduceOp
+from mpistrat.distribute.context import current_strategy_entry, get_replica_context
+
+__all__ = ["Variable", "VariableAggregation", "VariableSynchronization"]
+
+
+class VariableSynchronization(enum.Enum):
+    """When a distributed variable is synchronised: on write or on read."""
+
+    AUTO = 0
+    NONE = 1
+    ON_WRITE = 2
+    ON_READ = 3
+
+
+class VariableAggregation(enum.Enum):
+    """How updates (or reads of ``ON_READ`` variables) from replicas combine."""
+
+    NONE = 0
+    SUM = 1
+    MEAN = 2
+    ONLY_FIRST_REPLICA = 3
+
+
+_REDUCE = {VariableAggregation.SUM: ReduceOp.SUM, VariableAggregation.MEAN: ReduceOp.MEAN}
+
+
+class Variable(NDArrayOperatorsMixin):
+    """A named, mutable array; NumPy operators read its current value.
+
+    ``initial_value`` may be a value or a callable returning one.
+    """
+
+    def __init__(self, initial_value: Any, name: Optional[str] = None,
+                 synchronization=VariableSynchronization.AUTO,
+                 aggregation=VariableAggregation.NONE, trainable: Optional[bool] = None,
+                 dtype=None, shape=None):
+        self.synchronization = VariableSynchronization(synchronization)
+        self.aggregation = VariableAggregation(aggregation)
+        if self.synchronization is VariableSynchronization.AUTO:
+            self.synchronization = VariableSynchronization.ON_WRITE
+        self.name = name or "Variable"
+        self.trainable = (self.synchronization is not VariableSynchronization.ON_READ
+                          if trainable is None else bool(trainable))
+        value = initial_value() if callable(initial_value) else initial_value
+        value = np.array(value, dtype=dtype, copy=True)
+        if shape is not None and tuple(shape) != value.shape:
+            raise ValueError(f"variable {self.name!r}: initial value has shape {value.shape}, "
+                             f"not the requested {tuple(shape)}")
+        entry = current_strategy_entry()
+        self._strategy = entry.strategy if entry else None
+        if self._strategy is not None:
+            value = self._engine.broadcast(value, root=0)
+        self._value = value
+
+    # -- facts -----------------------------------------------------------------
+    @property
+    def _engine(self):
+        return self._strategy.extended.engine
+
+    @property
+    def distributed(self) -> bool:
+        """True when created inside a strategy's scope."""
+        return self._strategy is not None
+
+    @property
+    def shape(self):
+        return self._value.shape
+
+    @property
+    def dtype(self):
+        return self._value.dtype
+
+    # -- reading -----------------------------------------------------------------
+    def read_value(self) -> np.ndarray:
+        """The value: this replica's, or for ``ON_READ`` in cross-replica context the combined one."""
+        if (self._strategy is not None and get_replica_context() is None
+                and self.synchronization is VariableSynchronization.ON_READ):
+            return self._combined()
+        return self._value
+
+    value = read_value
+
+    def numpy(self) -> np.ndarray:
+        """A copy of ``read_value()``."""
+        return np.array(self.read_value(), copy=True)
+
+    def _combined(self) -> np.ndarray:
+        if self.aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            return self._engine.broadcast(self._value, root=0)
+        if self.aggregation is VariableAggregation.NONE:
+            raise ValueError(f"ON_READ variable {self.name!r} has aggregation NONE, so it has no "
+                             f"cross-replica value; read it inside strategy.run, or give it SUM, "
+                             f"MEAN or ONLY_FIRST_REPLICA")
+        return self._engine.all_reduce(self._value, _REDUCE[self.aggregation])
+
+    def __array__(self, dtype=None, copy=None):
+        value = self.read_value()
+        return value.astype(dtype) if dtype is not None else (value.copy() if copy else value)
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if "out" in kwargs:
+            return NotImplemented
+        inputs = tuple(x.read_value() if isinstance(x, Variable) else x for x in inputs)
+        return getattr(ufunc, method)(*inputs, **kwargs)
+
+    def __getitem__(self, index):
+        return self.read_value()[index]
+
+    def __float__(self):
+        return float(self.read_value())
+
+    def __int__(self):
+        return int(self.read_value())
+
+    def __len__(self):
+        return len(self._value)
+
+    # -- writing -----------------------------------------------------------------
+    def assign(self, value: Any) -> "Variable":
+        """Set the value (through the aggregation in replica context)."""
+        return self._update(value, lambda old, new: new, "assign")
+
+    def assign_add(self, delta: Any) -> "Variable":
+        """Add to the value (through the aggregation in replica context)."""
+        return self._update(delta, lambda old, new: old + new, "assign_add")
+
+    def assign_sub(self, delta: Any) -> "Variable":
+        """Subtract from the value (through the aggregation in replica context)."""
+        return self._update(delta, lambda old, new: old - new, "assign_sub")
+
+    def _update(self, value, apply, what: str) -> "Variable":
+        value = np.asarray(value.read_value() if isinstance(value, Variable) else value)
+        try:
+            value = np.broadcast_to(value, self.shape).astype(self.dtype, copy=False)
+        except ValueError:
+            raise ValueError(f"{what} on variable {self.name!r}: value of shape {value.shape} "
+                             f"does not fit shape {self.shape}") from None
+        if self._strategy is not None:
+            value = self._synchronised_update(value, what)
+        self._value = np.array(apply(self._value, value), dtype=self.dtype)
+        return self
+
+    def _synchronised_update(self, value: np.ndarray, what: str) -> np.ndarray:
+        """The update to apply on this replica, after the collective the rules require."""
+        in_replica = get_replica_context() is not None
+        on_read = self.synchronization is VariableSynchronization.ON_READ
+        if on_read and in_replica:
+            return value  # per-replica value: only this replica changes
+        if on_read:       # cross-replica write of an ON_READ variable
+            if self.aggregation is not VariableAggregation.SUM:
+                return value
+            if what != "assign":
+                raise ValueError(f"{what} on ON_READ variable {self.name!r} with aggregation SUM "
+                                 f"is not supported in cross-replica context; use assign")
+            return value / self._strategy.num_replicas_in_sync  # so that the SUM reads back
+        if not in_replica or self.aggregation is VariableAggregation.NONE:
+            return value  # cross-replica writes apply the same value on every rank
+        if self.aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+            return self._engine.broadcast(value, root=0)
+        if self.aggregation is VariableAggregation.MEAN and self.dtype.kind in "iub":
+            raise ValueError(f"{what} on variable {self.name!r}: aggregation MEAN cannot apply "
+                             f"to an integer variable ({self.dtype}); use SUM or ONLY_FIRST_REPLICA")
+        return self._engine.all_reduce(value, _REDUCE[self.aggregation])
+
+    # -- display -----------------------------------------------------------------
+    def _describe(self, value) -> str:
+        value = np.asarray(value)
+        text = repr(value.item()) if value.ndim == 0 else np.array2string(value, separator=", ")
+        return f"<ms.Variable '{self.name}:0' shape={self.shape} dtype={self.dtype.name}, numpy={text}>"
+
+
+    def __repr__(self) -> str:
+        if self._strategy is None:
+            return self._describe(self._value)
+        kind = ("SyncOnReadVariable" if self.synchronization is VariableSynchronization.ON_READ
+                else "MirroredVariable")
+        rid = self._strategy.extended.local_replica_ids[0]
+        return f"{kind}:{{\n  {rid}: {self._describe(self._value)}\n}}"

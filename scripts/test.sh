@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The whole test suite: set-up, single-process tests (unit and launcher
+# tests), then the multi-rank tests under mpirun at 1, 2, 3 and 4 ranks.
+# Every mpirun runs under a time limit; pytest-timeout dumps the stacks of a
+# test that hangs, and the logs of every rank are shown when a run fails.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh || exit 1
+PY=$PWD/.venv/bin/python
+export PYTHONUNBUFFERED=1
+logs=out/test-logs
+rm -rf "$logs"; mkdir -p "$logs"
+failed_runs=""
+
+summary() {  # the counts in pytest's closing line of log $1
+    tail -n 3 "$1" | grep -E "passed|failed|error|skipped" | tail -n 1
+}
+
+echo "=== single-process tests (unit, launcher)"
+timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=300 \
+    tests/unit tests/launcher 2>&1 | tee "$logs/single.log" || failed_runs="$failed_runs single"
+
+for n in 1 2 3 4; do
+    echo "=== multi-rank tests at $n ranks"
+    scripts/mpirun --limit 900 -n "$n" "$PY" scripts/rank_pytest.py "$logs/np$n" \
+        -q --color=no -p no:cacheprovider --timeout=120 tests/mpi 2>&1 | tee "$logs/np$n.rank0.log"
+    if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+        failed_runs="$failed_runs np$n"
+        for f in "$logs"/np$n.rank*.log; do
+            [ "$f" = "$logs/np$n.rank0.log" ] && continue
+            echo "--- $f (last 60 lines)"; tail -n 60 "$f"
+        done
+    fi
+done
+
+passed=0; failed=0; skipped=0
+for f in "$logs/single.log" "$logs"/np?.rank0.log; do
+    line=$(summary "$f")
+    p=$(grep -oE "[0-9]+ passed" <<<"$line" | grep -oE "[0-9]+" || true)
+    x=$(grep -oE "[0-9]+ (failed|errors?)" <<<"$line" | awk '{s += $1} END {print s + 0}')
+    s=$(grep -oE "[0-9]+ skipped" <<<"$line" | grep -oE "[0-9]+" || true)
+    passed=$((passed + ${p:-0})); failed=$((failed + ${x:-0})); skipped=$((skipped + ${s:-0}))
+done
+if [ -n "$failed_runs" ] && [ "$failed" -eq 0 ]; then failed=1; fi
+echo "runs that failed:${failed_runs:- none}"
+echo "mpistrat: $passed passed, $failed failed, $skipped skipped"
+[ -z "$failed_runs" ]

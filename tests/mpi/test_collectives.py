@@ -1,0 +1,166 @@
+"""The collective engine at 1-4 ranks: fusion, algorithms, validation, deadlines."""
+
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpistrat as ms
+from mpistrat.collectives import CollectiveEngine
+from mpistrat.collectives.algorithms import allreduce, ring_chunks
+
+
+def engine_for(world, **options):
+    return CollectiveEngine(world.comm, ms.CommunicationOptions(**options))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("op", ["SUM", "MEAN", "MIN", "MAX"])
+def test_all_reduce_nested_structure_matches_numpy(world, op):
+    engine = engine_for(world)
+    r, n = world.rank, world.size
+    value = {"w": np.arange(6, dtype=np.float32).reshape(2, 3) * (r + 1),
+             "b": [np.array([r, -r], dtype=np.int64), np.float64(r + 0.5)]}
+    out = engine.all_reduce(value, op)
+    every = [{"w": np.arange(6, dtype=np.float32).reshape(2, 3) * (k + 1),
+              "b": [np.array([k, -k]), k + 0.5]} for k in range(n)]
+    combine = {"SUM": np.sum, "MEAN": np.sum, "MIN": np.min, "MAX": np.max}[op]
+    want_w = combine([e["w"] for e in every], axis=0)
+    want_i = combine([e["b"][0] for e in every], axis=0)
+    want_f = combine([e["b"][1] for e in every], axis=0)
+    if op == "MEAN":
+        want_w, want_f = want_w / n, want_f / n
+        want_i = np.trunc(want_i / n).astype(np.int64)  # integers truncate, as TF's Div
+    np.testing.assert_allclose(out["w"], want_w, rtol=1e-6)
+    assert out["w"].dtype == np.float32 and out["b"][0].dtype == np.int64
+    np.testing.assert_array_equal(out["b"][0], want_i)
+    np.testing.assert_allclose(out["b"][1], want_f)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("pack", [64, 1 << 20])
+def test_many_small_tensors_fused_or_not_give_the_same_sums(world, pack):
+    engine = engine_for(world, bytes_per_pack=pack)
+    tensors = [np.full(7 + i % 5, float(world.rank + i), dtype=np.float32) for i in range(50)]
+    out = engine.all_reduce(tensors, "SUM")
+    ranks = sum(range(world.size))
+    for i, result in enumerate(out):
+        np.testing.assert_array_equal(result, np.full(7 + i % 5, ranks + world.size * i))
+    assert tensors[0][0] == world.rank  # inputs are never modified
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("count", [0, 1, 3, 1001, 300_001])
+@pytest.mark.parametrize("op", [ms.ReduceOp.SUM, ms.ReduceOp.MIN, ms.ReduceOp.MAX])
+def test_ring_algorithm_equals_mpi_allreduce(world, count, op):
+    rng = np.random.default_rng(world.rank)
+    send = rng.integers(-1000, 1000, size=count).astype(np.float64)
+    by_ring, by_mpi = np.empty_like(send), np.empty_like(send)
+    allreduce(world.comm, send, by_ring, op, None, "ring")
+    allreduce(world.comm, send, by_mpi, op, None, "mpi")
+    np.testing.assert_array_equal(by_ring, by_mpi)
+    in_place = send.copy()
+    allreduce(world.comm, in_place, in_place, op, ms.collectives.algorithms.Deadline.after(60),
+              "ring")
+    np.testing.assert_array_equal(in_place, by_mpi)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_large_tensor_goes_through_the_ring_and_half_precision_and_bool(world):
+    engine = engine_for(world)
+    big = np.full((1024, 1024), world.rank + 1, dtype=np.float32)  # 4 MiB: the ring
+    out = engine.all_reduce([big, np.float16(1.5), np.array([world.rank == 0, True])], "MAX")
+    assert np.all(out[0] == world.size)
+    assert out[1].dtype == np.float16 and out[1] == np.float16(1.5)
+    assert out[2].dtype == np.bool_ and out[2].tolist() == [True, True]
+    with pytest.raises(TypeError, match="bool"):
+        engine.all_reduce(np.array([True]), "SUM")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_shapes_raise_on_every_rank_naming_the_ranks(world):
+    engine = engine_for(world)
+    shape = (3,) if world.rank != 1 else (4,)
+    with pytest.raises(ms.errors.InvalidArgumentError) as info:
+        engine.all_reduce([np.ones(2), np.ones(shape)], "SUM")
+    text = str(info.value)
+    assert "tensor 1" in text and "rank 1 has float64[4]" in text
+    assert "float64[3]" in text
+    # The engine is still usable afterwards.
+    assert engine.all_reduce(np.ones(1), "SUM")[0] == world.size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_dtype_and_different_collectives_are_named(world):
+    engine = engine_for(world)
+    dtype = np.float32 if world.rank == 0 else np.float64
+    with pytest.raises(ValueError, match="rank 0 has float32"):
+        engine.all_reduce(np.ones(2, dtype=dtype), "SUM")
+    with pytest.raises(ValueError, match="different collectives"):
+        engine.all_reduce(np.ones(2), "SUM" if world.rank == 0 else "MAX")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_all_gather_uneven_rows_in_rank_order(world):
+    engine = engine_for(world)
+    r = world.rank
+    mine = np.arange(r + 1, dtype=np.int32)[:, None] + 10 * r * np.ones((1, 2), np.int32)
+    out = engine.all_gather({"x": mine, "z": np.full((r, 0), r, np.float64)}, axis=0)
+    assert out["z"].shape == (sum(range(world.size)), 0)
+    want = np.concatenate([np.arange(k + 1)[:, None] + 10 * k * np.ones((1, 2)) for k in
+                           range(world.size)])
+    np.testing.assert_array_equal(out["x"], want)
+    assert out["x"].dtype == np.int32
+    y = engine.all_gather(np.full((2, r), r, np.float64), axis=1)
+    assert y.shape == (2, sum(range(world.size)))
+    np.testing.assert_array_equal(y[0], np.concatenate([[k] * k for k in range(world.size)]))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_all_gather_rejects_other_dimension_mismatches_and_scalars(world):
+    engine = engine_for(world)
+    with pytest.raises(ValueError, match="rank 1 has float64\\[\\?,3\\]"):
+        engine.all_gather(np.ones((1, 2 if world.rank != 1 else 3)), axis=0)
+    with pytest.raises(ValueError, match="scalar"):
+        engine.all_gather(np.float64(1.0), axis=0)
+    with pytest.raises(ValueError, match="out of range"):
+        engine.all_gather(np.ones(2), axis=1)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_disagree_on_the_timeout_get_a_clear_error(world, monkeypatch):
+    monkeypatch.delenv("MPISTRAT_COLLECTIVE_TIMEOUT", raising=False)
+    engine = engine_for(world, timeout_seconds=30.0 if world.rank == 0 else None)
+    with pytest.raises(ValueError, match="only rank 0 set a collective timeout"):
+        engine.all_reduce(np.ones(2), "SUM")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_broadcast_gives_everyone_root_values(world):
+    engine = engine_for(world)
+    out = engine.broadcast({"a": np.full(3, world.rank), "b": [np.float32(world.rank)]},
+                           root=world.size - 1)
+    assert out["a"].tolist() == [world.size - 1] * 3 and out["b"][0] == world.size - 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_late_rank_makes_the_waiting_rank_time_out_then_engine_refuses(world):
+    comm = world.new_comm("timeout-test")
+    engine = CollectiveEngine(comm, ms.CommunicationOptions(timeout_seconds=0.3))
+    if world.rank == 0:
+        start = time.monotonic()
+        with pytest.raises(ms.errors.DeadlineExceededError, match="rank 0") as info:
+            engine.all_reduce(np.ones(4), "SUM")
+        assert time.monotonic() - start < 5
+        with pytest.raises(ms.errors.AbortedError, match="timed out"):
+            engine.all_reduce(np.ones(4), "SUM")
+        MPI.Request.Waitall(info.value.pending_requests)  # the late rank joins it now
+    else:
+        time.sleep(1.5)
+        # Join only the step rank 0 gave up in: the validation probe.
+        from mpistrat.collectives.deadline import Deadline
+        from mpistrat.collectives.validation import agree
+        agree(comm, "all_reduce SUM", (("float64", (4,)),), Deadline.after(60))
+    comm.Barrier()
+    comm.Free()

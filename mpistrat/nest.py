@@ -11,7 +11,7 @@ everything else, arrays and scalars included, is a leaf::
     {'a': 30, 'b': [10, 20]}
 """
 
-from typing import Any, Callable, Iterator, List, Sequence
+from typing import Any, Callable, List, Sequence
 
 __all__ = ["flatten", "pack_sequence_as", "map_structure", "is_nested"]
 
@@ -34,42 +34,61 @@ def _sorted_keys(mapping: dict) -> list:
 
 def flatten(structure: Any) -> List[Any]:
     """Return the leaves of ``structure`` in a deterministic order."""
-    return list(_iter_leaves(structure))
+    leaves: List[Any] = []
+    _flatten_into(structure, leaves)
+    return leaves
 
 
-def _iter_leaves(structure: Any) -> Iterator[Any]:
+def _flatten_into(structure: Any, leaves: List[Any]) -> None:
     if isinstance(structure, dict):
         for key in _sorted_keys(structure):
-            yield from _iter_leaves(structure[key])
+            _flatten_into(structure[key], leaves)
     elif isinstance(structure, (list, tuple)):
         for item in structure:
-            yield from _iter_leaves(item)
+            if isinstance(item, (dict, list, tuple)):
+                _flatten_into(item, leaves)
+            else:
+                leaves.append(item)
     else:
-        yield structure
+        leaves.append(structure)
 
 
 def pack_sequence_as(structure: Any, leaves: Sequence[Any]) -> Any:
     """Rebuild ``structure`` with ``leaves`` in place of its own leaves."""
-    iterator = iter(leaves)
-    result = _pack(structure, iterator)
-    leftover = sum(1 for _ in iterator)
-    if leftover:
-        raise ValueError(f"pack_sequence_as: {leftover} leaves more than the structure holds")
+    leaves = list(leaves)
+    result, used = _pack(structure, leaves, 0)
+    if used != len(leaves):
+        raise ValueError(f"pack_sequence_as: {len(leaves) - used} leaves more than the "
+                         f"structure holds")
     return result
 
 
-def _pack(structure: Any, leaves: Iterator[Any]) -> Any:
+def _pack(structure: Any, leaves: List[Any], position: int):
+    """``structure`` rebuilt from ``leaves[position:]``, and the position after it."""
     if isinstance(structure, dict):
-        return type(structure)((key, _pack(structure[key], leaves)) for key in _sorted_keys(structure))
+        items = []
+        for key in _sorted_keys(structure):
+            value, position = _pack(structure[key], leaves, position)
+            items.append((key, value))
+        return type(structure)(items), position
     if isinstance(structure, (list, tuple)):
-        items = [_pack(item, leaves) for item in structure]
+        if not any(isinstance(item, (dict, list, tuple)) for item in structure):
+            stop = position + len(structure)  # a flat sequence: one slice
+            if stop > len(leaves):
+                raise ValueError("pack_sequence_as: fewer leaves than the structure holds")
+            items = leaves[position:stop]
+        else:
+            items = []
+            for item in structure:
+                value, position = _pack(item, leaves, position)
+                items.append(value)
+            stop = position
         if _is_namedtuple(structure):
-            return type(structure)(*items)
-        return type(structure)(items)
-    try:
-        return next(leaves)
-    except StopIteration:
-        raise ValueError("pack_sequence_as: fewer leaves than the structure holds") from None
+            return type(structure)(*items), stop
+        return (items if type(structure) is list else type(structure)(items)), stop
+    if position >= len(leaves):
+        raise ValueError("pack_sequence_as: fewer leaves than the structure holds")
+    return leaves[position], position + 1
 
 
 def map_structure(fn: Callable[..., Any], *structures: Any) -> Any:

@@ -21,6 +21,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 from mpi4py import MPI
 
+from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.reduce_op import ReduceOp
 
@@ -92,7 +93,7 @@ def _ring_allreduce(comm, send, recv, op, deadline):
         return
     bounds = ring_chunks(src.size, size)
     right, left = (rank + 1) % size, (rank - 1) % size
-    scratch = np.empty(bounds[0][1] - bounds[0][0], dtype=src.dtype)
+    scratch = default_pool().take((bounds[0][1] - bounds[0][0],), src.dtype)
     combine = _COMBINE[op]
     what = f"ring all_reduce {op.name}"
     # 1. Reduce-scatter: pass partial sums to the right; after size-1 steps

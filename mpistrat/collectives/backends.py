@@ -16,12 +16,14 @@ CUDA-aware or NCCL backend slots in here later, ahead of the staged one::
     'staged-host-mpi'
 """
 
+import functools
 from typing import List, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
 
 from mpistrat.collectives.algorithms import allreduce, choose_algorithm
+from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.fusion import plan_buckets
 from mpistrat.collectives.options import CommunicationImplementation
@@ -30,8 +32,8 @@ from mpistrat.runtime.devices import Capabilities, from_host, to_host
 
 __all__ = ["Backend", "HostMPI", "StagedHostMPI", "BACKENDS", "select_backend"]
 
-# MPI has no half-precision type: such tensors travel as float32.
-_WIRE_DTYPES = {np.dtype(np.float16): np.dtype(np.float32)}
+# Below this size a plain allocation is as cheap as the pool's bookkeeping.
+_POOL_MIN_BYTES = 64 << 10
 
 
 def _divide_in_place(buffer, count: int) -> None:
@@ -45,14 +47,14 @@ def _divide_in_place(buffer, count: int) -> None:
 
 
 def _wire(array: np.ndarray, op: ReduceOp):
-    """The contiguous buffer that travels for ``array`` (a view where possible)."""
-    if array.dtype == np.bool_:
-        if op in (ReduceOp.SUM, ReduceOp.MEAN):
+    """The contiguous buffer that travels for ``array`` (the array itself where possible)."""
+    char = array.dtype.char
+    if char == "?":
+        if op is ReduceOp.SUM or op is ReduceOp.MEAN:
             raise TypeError(f"ReduceOp.{op.name} does not apply to bool tensors; use MIN or MAX")
         return np.ascontiguousarray(array).view(np.uint8)
-    wire_dtype = _WIRE_DTYPES.get(array.dtype)
-    if wire_dtype is not None:
-        return np.ascontiguousarray(array, dtype=wire_dtype)
+    if char == "e":  # MPI has no half precision: such tensors travel as float32
+        return np.ascontiguousarray(array, dtype=np.float32)
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
@@ -82,37 +84,78 @@ class HostMPI(Backend):
     """NumPy buffers over MPI: small tensors fused by dtype, large ones reduced unpacked."""
 
     name = "host-mpi"
-    kinds = ("numpy",)
 
     def usable(self, kind, implementation, caps):
-        return kind in self.kinds and implementation is not CommunicationImplementation.NCCL
+        return kind == "numpy"  # host arrays travel over MPI whatever the preference for devices
+
+    def __init__(self):
+        self._plans: dict = {}
+
+    def _plan(self, wires, pack_bytes):
+        """Buckets with each member's (index, start, stop, shape), cached per signature.
+
+        Steady training loops reduce the same tensors every step, so they pay
+        one dictionary lookup instead of planning again.
+        """
+        key = (pack_bytes,) + tuple((w.dtype.char, w.shape) for w in wires)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > 1024:
+                self._plans.clear()
+            plan = []
+            for bucket in plan_buckets([w.nbytes for w in wires], [w.dtype.str for w in wires],
+                                       pack_bytes):
+                members, offset = [], 0
+                for index in bucket.indices:
+                    members.append((index, offset, offset + wires[index].size))
+                    offset += wires[index].size
+                plan.append((bucket, offset, members))
+            self._plans[key] = plan
+        return plan
 
     def all_reduce(self, comm, arrays, op, pack_bytes, deadline):
         size = comm.Get_size()
-        wires = [_wire(np.asarray(a), op) for a in arrays]
+        if len(arrays) == 1:
+            return [self._reduce_one(comm, arrays[0], op, deadline, size)]
+        pool = default_pool()
+        originals = [a if type(a) is np.ndarray else np.asarray(a) for a in arrays]
+        wires = [_wire(a, op) for a in originals]
         results: List = [None] * len(arrays)
-        for bucket in plan_buckets([w.nbytes for w in wires], [w.dtype.str for w in wires],
-                                   pack_bytes):
-            if bucket.fused:  # 1. pack the small tensors into one buffer
-                buffer = np.concatenate([wires[i].reshape(-1) for i in bucket.indices])
+        for bucket, count, members in self._plan(wires, pack_bytes):
+            if bucket.fused:  # 1. pack the small tensors into one (pooled) buffer
+                buffer = pool.take((count,), wires[bucket.indices[0]].dtype)
+                np.concatenate([wires[i] for i in bucket.indices], axis=None, out=buffer)
                 send = buffer
             else:             # or reduce one large tensor without a packing copy
                 send = wires[bucket.indices[0]]
-                buffer = np.empty_like(send)
+                buffer = pool.take(send.shape, send.dtype)
             # 2. combine across ranks, with the algorithm that suits the size
             allreduce(comm, send, buffer, op, deadline, choose_algorithm(buffer.nbytes, size))
             # 3. finish MEAN, then hand out views of the result in the original dtypes
             if op is ReduceOp.MEAN:
                 _divide_in_place(buffer, size)
-            offset = 0
-            for index in bucket.indices:
-                original = np.asarray(arrays[index])
-                count = wires[index].size
-                piece = buffer.reshape(-1)[offset:offset + count].reshape(original.shape)
-                offset += count
-                results[index] = piece.view(np.bool_) if original.dtype == np.bool_ \
-                    else piece.astype(original.dtype, copy=False)
+            flat = buffer.reshape(-1)
+            for index, start, stop in members:
+                original = originals[index]
+                piece = flat[start:stop].reshape(original.shape)
+                if wires[index].dtype is not original.dtype:  # travelled widened or as bytes
+                    piece = piece.view(np.bool_) if original.dtype.char == "?" \
+                        else piece.astype(original.dtype)
+                results[index] = piece
         return results
+
+    def _reduce_one(self, comm, array, op, deadline, size):
+        """One tensor: no plan, no packing (the common case of scalars and large tensors)."""
+        original = array if type(array) is np.ndarray else np.asarray(array)
+        wire = _wire(original, op)
+        out = default_pool().take(wire.shape, wire.dtype) if wire.nbytes >= _POOL_MIN_BYTES \
+            else np.empty_like(wire)
+        allreduce(comm, wire, out, op, deadline, choose_algorithm(wire.nbytes, size))
+        if op is ReduceOp.MEAN:
+            _divide_in_place(out, size)
+        if wire.dtype is not original.dtype:
+            return out.view(np.bool_) if original.dtype.char == "?" else out.astype(original.dtype)
+        return out
 
     def all_gather(self, comm, arrays, counts, axis, deadline):
         results = []
@@ -172,9 +215,10 @@ class StagedHostMPI(Backend):
 BACKENDS: List[Backend] = [HostMPI(), StagedHostMPI()]
 
 
+@functools.lru_cache(maxsize=64)
 def select_backend(kind: str, implementation: CommunicationImplementation,
                    caps: Capabilities) -> Backend:
-    """The first backend in ``BACKENDS`` that can serve ``kind`` arrays."""
+    """The first backend in ``BACKENDS`` that can serve ``kind`` arrays (cached per inputs)."""
     for backend in BACKENDS:
         if backend.usable(kind, implementation, caps):
             return backend

@@ -24,7 +24,7 @@ from mpi4py import MPI
 from mpistrat import nest
 from mpistrat.collectives.backends import select_backend
 from mpistrat.collectives.deadline import Deadline, wait_all
-from mpistrat.collectives.options import CommunicationOptions
+from mpistrat.collectives.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.collectives.validation import agree, validation_enabled
 from mpistrat.errors import AbortedError, DeadlineExceededError, InvalidArgumentError
@@ -55,11 +55,17 @@ def default_timeout() -> Optional[float]:
 
 
 def _as_array(value: Any):
+    if type(value) is np.ndarray:
+        return value
     return value if array_kind(value) != "numpy" else np.asarray(value)
 
 
 def _signature(arrays) -> tuple:
-    return tuple((np.dtype(a.dtype).name, tuple(a.shape)) for a in arrays)
+    """``(dtype, shape)`` per tensor; dtypes as NumPy's short codes (cheap to build)."""
+    return tuple((a.dtype.str, tuple(a.shape)) for a in arrays)
+
+
+_ALL_REDUCE_WHAT = {op: f"all_reduce {op.name}" for op in ReduceOp}
 
 
 class CollectiveEngine:
@@ -75,6 +81,8 @@ class CollectiveEngine:
         self.size = comm.Get_size()
         self.options = options or CommunicationOptions()
         self.validate = validation_enabled()
+        self.default_timeout = default_timeout()  # read once, when the engine is made
+        self._trace = log.isEnabledFor(logging.DEBUG)
         self._broken: Optional[str] = None
         self._calls = 0
 
@@ -83,10 +91,10 @@ class CollectiveEngine:
         if self._broken:
             raise AbortedError(f"{what} refused on rank {self.rank}: {self._broken}")
         opts = self.options.merge(options)
-        timeout = opts.timeout_seconds if opts.timeout_seconds is not None else default_timeout()
+        timeout = opts.timeout_seconds if opts.timeout_seconds is not None else self.default_timeout
         deadline = Deadline.after(timeout)
         self._calls += 1
-        if log.isEnabledFor(logging.DEBUG):
+        if self._trace:
             total = sum(int(np.prod(shape, dtype=np.int64)) for _, shape in signature)
             log.debug("#%d %s: %d tensors, %d elements, timeout=%s", self._calls, what,
                       len(signature), total, timeout)
@@ -103,6 +111,11 @@ class CollectiveEngine:
 
     def _run(self, what, arrays, opts, call):
         """Group ``arrays`` by kind, run ``call(backend, indices)`` per group."""
+        if all(type(a) is np.ndarray for a in arrays):  # the common case: one host group
+            if self._trace:
+                log.debug("#%d %s: %d numpy tensors via %s", self._calls, what, len(arrays),
+                          _HOST_BACKEND.name)
+            return self._guard(call, _HOST_BACKEND, range(len(arrays)))
         results: List = [None] * len(arrays)
         groups: Dict[str, List[int]] = {}
         for index, array in enumerate(arrays):
@@ -110,8 +123,9 @@ class CollectiveEngine:
         for kind, indices in groups.items():
             backend = select_backend(kind, opts.implementation, capabilities()
                                      if kind != "numpy" else _HOST_CAPS)
-            log.debug("#%d %s: %d %s tensors via %s", self._calls, what, len(indices), kind,
-                      backend.name)
+            if self._trace:
+                log.debug("#%d %s: %d %s tensors via %s", self._calls, what, len(indices), kind,
+                          backend.name)
             for index, result in zip(indices, self._guard(call, backend, indices)):
                 results[index] = result
         return results
@@ -120,12 +134,13 @@ class CollectiveEngine:
     def all_reduce(self, value: Any, op, options: Optional[CommunicationOptions] = None) -> Any:
         """Combine ``value`` (a nest of arrays) element-wise over all ranks."""
         op = ReduceOp.from_any(op)
-        arrays = [_as_array(v) for v in nest.flatten(value)]
-        what = f"all_reduce {op.name}"
+        nested = isinstance(value, (dict, list, tuple))
+        arrays = [_as_array(v) for v in nest.flatten(value)] if nested else [_as_array(value)]
+        what = _ALL_REDUCE_WHAT[op]
         opts, deadline = self._begin(what, _signature(arrays), options)
         results = self._run(what, arrays, opts, lambda backend, idx: backend.all_reduce(
             self.comm, [arrays[i] for i in idx], op, opts.pack_bytes, deadline))
-        return nest.pack_sequence_as(value, results)
+        return nest.pack_sequence_as(value, results) if nested else results[0]
 
     def all_gather(self, value: Any, axis: int = 0,
                    options: Optional[CommunicationOptions] = None) -> Any:
@@ -136,7 +151,7 @@ class CollectiveEngine:
         """
         arrays = [_as_array(v) for v in nest.flatten(value)]
         what = f"all_gather axis={axis}"
-        masked = tuple((np.dtype(a.dtype).name,
+        masked = tuple((a.dtype.str,
                         tuple(-1 if d == _axis_or_none(axis, a.ndim) else n
                               for d, n in enumerate(a.shape))) for a in arrays)
         opts, deadline = self._begin(what, masked, options)
@@ -204,3 +219,4 @@ def _axis_or_none(axis: int, ndim: int) -> Optional[int]:
 
 
 _HOST_CAPS = Capabilities(cuda_aware_mpi=False, nccl=False)  # NumPy needs no detection
+_HOST_BACKEND = select_backend("numpy", CommunicationImplementation.AUTO, _HOST_CAPS)

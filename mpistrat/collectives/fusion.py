@@ -2,8 +2,8 @@
 
 A pure function of sizes and dtypes, testable without MPI. Small tensors of
 one dtype are packed, in order, into buckets of at most ``bytes_per_pack``
-bytes; a tensor of ``bytes_per_pack`` or more travels alone and is reduced
-without a packing copy::
+bytes; a large tensor (``ALONE_BYTES``, 1 MiB, or ``bytes_per_pack`` if
+smaller) travels alone and is reduced without a packing copy::
 
     >>> from mpistrat.collectives.fusion import plan_buckets
     >>> [(b.dtype, b.indices) for b in plan_buckets([8, 8, 64, 8], ["f4", "i4", "f4", "f4"], 32)]
@@ -13,7 +13,10 @@ without a packing copy::
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
-__all__ = ["Bucket", "plan_buckets"]
+__all__ = ["Bucket", "plan_buckets", "ALONE_BYTES"]
+
+# Tensors of this size or more are reduced without packing (see plan_buckets).
+ALONE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -29,8 +32,12 @@ class Bucket:
         return len(self.indices) > 1
 
 
-def plan_buckets(nbytes: Sequence[int], dtypes: Sequence, bytes_per_pack: int) -> List[Bucket]:
+def plan_buckets(nbytes: Sequence[int], dtypes: Sequence, bytes_per_pack: int,
+                 alone_bytes: int = ALONE_BYTES) -> List[Bucket]:
     """Group tensor indices into buckets (see the module docstring).
+
+    A tensor of ``min(bytes_per_pack, alone_bytes)`` bytes or more travels
+    alone: packing it would cost a copy as long as its reduction.
 
     Buckets are ordered by the position of their first tensor, so every rank
     derives the same plan from the same signature.
@@ -39,11 +46,12 @@ def plan_buckets(nbytes: Sequence[int], dtypes: Sequence, bytes_per_pack: int) -
         raise ValueError("plan_buckets: nbytes and dtypes differ in length")
     if bytes_per_pack <= 0:
         raise ValueError(f"bytes_per_pack must be positive, got {bytes_per_pack}")
+    alone = min(bytes_per_pack, alone_bytes)
     done: List[Tuple[int, ...]] = []
     open_buckets: Dict[str, Tuple[List[int], int]] = {}
     for index, (size, dtype) in enumerate(zip(nbytes, dtypes)):
         dtype = str(dtype)
-        if size >= bytes_per_pack:
+        if size >= alone:
             done.append((index,))
             continue
         members, total = open_buckets.get(dtype, ([], 0))

@@ -26,17 +26,24 @@ class ReduceOp(enum.Enum):
     @classmethod
     def from_any(cls, op) -> "ReduceOp":
         """Accept a ``ReduceOp`` or its name in any case; ``ValueError`` otherwise."""
-        if isinstance(op, cls):
+        if op.__class__ is cls:
             return op
-        if isinstance(op, str) and op.upper() in cls.__members__:
-            return cls[op.upper()]
+        found = _BY_NAME.get(op) if isinstance(op, str) else None
+        if found is None and isinstance(op, str):
+            found = _BY_NAME.get(op.upper())
+        if found is not None:
+            return found
         raise ValueError(f"unknown reduce op {op!r}; use one of "
                          f"{', '.join(cls.__members__)} (strings are accepted in any case)")
 
     @property
     def mpi_op(self) -> MPI.Op:
         """The MPI operation that combines raw values (MEAN sums, then divides)."""
-        return {"SUM": MPI.SUM, "MEAN": MPI.SUM, "MIN": MPI.MIN, "MAX": MPI.MAX}[self.value]
+        return _MPI_OPS[self.value]
 
     def __repr__(self) -> str:
         return f"ReduceOp.{self.name}"
+
+
+_MPI_OPS = {"SUM": MPI.SUM, "MEAN": MPI.SUM, "MIN": MPI.MIN, "MAX": MPI.MAX}
+_BY_NAME = {name: member for name, member in ReduceOp.__members__.items()}

@@ -15,6 +15,7 @@ build an error that names the ranks and what differs. The cost is one
 """
 
 import hashlib
+from array import array
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -52,10 +53,21 @@ def format_ranks(ranks: Sequence[int]) -> str:
     return "ranks " + ", ".join(str(r) for r in ranks)
 
 
+def _dtype_name(code: str) -> str:
+    """``'<f4'`` -> ``'float32'``; other text (already a name, or a note) unchanged."""
+    head, _, note = code.partition(" ")
+    try:
+        name = np.dtype(head).name
+    except TypeError:
+        return code
+    return f"{name} {note}" if note else name
+
+
 def _describe_tensor(entry) -> str:
     if entry is None:
         return "nothing"
     dtype, shape = entry
+    dtype = _dtype_name(dtype)
     return f"{dtype}[{','.join('?' if d < 0 else str(d) for d in shape)}]"
 
 
@@ -93,9 +105,13 @@ def agree(comm: MPI.Comm, what: str, signature: Signature,
     """
     timed = deadline is not None
     h = _hash((what, signature, timed))
-    probe = np.array([h, -h], dtype=np.int64)
-    result = np.empty_like(probe)
-    wait_all([comm.Iallreduce(probe, result, MPI.MAX)], deadline, f"{what} (validation)")
+    probe = array("q", (h, -h))
+    result = array("q", (0, 0))
+    request = comm.Iallreduce(probe, result, MPI.MAX)
+    if deadline is None:
+        request.Wait()
+    else:
+        wait_all([request], deadline, f"{what} (validation)")
     if result[0] == -result[1]:  # max(h) == min(h): every rank passed the same
         return
     everyone = comm.allgather((what, signature, timed))  # small metadata, error path only

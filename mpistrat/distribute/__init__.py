@@ -2,6 +2,7 @@
 
 from mpistrat.distribute.context import (InputContext, ValueContext, get_replica_context,
                                          get_strategy, has_strategy, in_cross_replica_context)
+from mpistrat.distribute.default import DefaultStrategy  # registers the default strategy
 from mpistrat.distribute.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from mpistrat.distribute.options import InputOptions, RunOptions
 from mpistrat.distribute.replica_context import ReplicaContext
@@ -10,6 +11,7 @@ from mpistrat.distribute.values import DistributedValues, Mirrored, PerReplica
 from mpistrat.distribute.variables import Variable, VariableAggregation, VariableSynchronization
 
 __all__ = [
+    "DefaultStrategy",
     "InputContext", "ValueContext", "get_replica_context", "get_strategy", "has_strategy",
     "in_cross_replica_context", "MirroredStrategy", "MultiWorkerMirroredStrategy", "InputOptions",
     "RunOptions", "ReplicaContext", "Strategy", "StrategyExtended", "DistributedValues",

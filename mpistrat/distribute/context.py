@@ -33,9 +33,16 @@ def _stack() -> List[_Entry]:
     return _local.stack
 
 
+_default_factory = []  # set by mpistrat.distribute.default (kept there to avoid an import loop)
+
+
+def set_default_strategy_factory(factory) -> None:
+    """Register the function that returns the default strategy."""
+    _default_factory[:] = [factory]
+
+
 def _default_strategy():
-    from mpistrat.distribute.default import default_strategy
-    return default_strategy()
+    return _default_factory[0]()
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import functools
 from mpi4py import MPI
 
 from mpistrat.collectives import CollectiveEngine
+from mpistrat.distribute.context import set_default_strategy_factory
 from mpistrat.distribute.strategy import Strategy
 
 __all__ = ["DefaultStrategy", "default_strategy"]
@@ -33,3 +34,6 @@ class DefaultStrategy(Strategy):
 def default_strategy() -> DefaultStrategy:
     """The process-wide default strategy."""
     return DefaultStrategy()
+
+
+set_default_strategy_factory(default_strategy)

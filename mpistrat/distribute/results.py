@@ -16,5 +16,10 @@ __all__ = ["scalars_to_numpy"]
 
 def scalars_to_numpy(value: Any) -> Any:
     """Turn every 0-d NumPy array in a nest into a NumPy scalar."""
+    if type(value) is np.ndarray:
+        return value[()] if value.ndim == 0 else value
+    leaves = nest.flatten(value)
+    if not any(isinstance(x, np.ndarray) and x.ndim == 0 for x in leaves):
+        return value
     return nest.map_structure(
         lambda x: x[()] if isinstance(x, np.ndarray) and x.ndim == 0 else x, value)

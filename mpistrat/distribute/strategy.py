@@ -24,7 +24,7 @@ from mpistrat.collectives import CollectiveEngine, ReduceOp
 from mpistrat.distribute.context import ValueContext, current_strategy_entry, entered
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.distribute.results import scalars_to_numpy
-from mpistrat.distribute.values import PerReplica, local_component
+from mpistrat.distribute.values import DistributedValues, PerReplica, local_component
 
 __all__ = ["Strategy", "StrategyExtended"]
 
@@ -139,15 +139,17 @@ class Strategy:
         """
         self._require_cross_replica("reduce")
         op = ReduceOp.from_any(reduce_op)
-        local = nest.map_structure(local_component, value)
+        local = _local(value)
         engine = self._extended.engine
         if axis is None:
             return scalars_to_numpy(engine.all_reduce(local, op))
         arrays = [np.asarray(x) for x in nest.flatten(local)]
         bad = [i for i, a in enumerate(arrays) if not -a.ndim <= axis < a.ndim]
         # Agree first, so that every rank raises together (never one rank alone).
+        # (Rows along the axis may differ between replicas; the other dimensions may not.)
         engine.agree(f"reduce axis={axis}", tuple(
-            (a.dtype.name + (" (axis out of range)" if i in bad else ""), a.shape)
+            (a.dtype.str + " (axis out of range)", a.shape) if i in bad else
+            (a.dtype.str, tuple(-1 if d == axis % a.ndim else n for d, n in enumerate(a.shape)))
             for i, a in enumerate(arrays)))
         if bad:
             shapes = ", ".join(str(arrays[i].shape) for i in bad)
@@ -161,7 +163,7 @@ class Strategy:
         Shapes may differ along ``axis`` only; scalars raise ``ValueError``.
         """
         self._require_cross_replica("gather")
-        local = nest.map_structure(local_component, value)
+        local = _local(value)
         return self._extended.engine.all_gather(local, axis)
 
     # -- distributed values --------------------------------------------------
@@ -180,6 +182,15 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"<mpistrat.{type(self).__name__} num_replicas_in_sync={self.num_replicas_in_sync}>"
+
+
+def _local(value: Any) -> Any:
+    """This rank's component of every distributed value in a nest."""
+    if isinstance(value, (dict, list, tuple)):
+        if any(isinstance(x, DistributedValues) for x in nest.flatten(value)):
+            return nest.map_structure(local_component, value)
+        return value
+    return local_component(value)
 
 
 _IDENTITY = {ReduceOp.MIN: "max", ReduceOp.MAX: "min"}

@@ -1,0 +1,112 @@
+"""Collective benchmark: mpistrat against raw mpi4py in the same run.
+
+Run: scripts/mpirun -n 2 .venv/bin/python benchmarks/collectives.py [--quick]
+Prints one JSON object per figure with ``ratio`` = ours / raw baseline.
+"""
+
+import argparse
+import os
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import best_seconds, emit  # noqa: E402
+
+import mpistrat as ms  # noqa: E402
+
+
+def resnet50_shapes():
+    """torchvision resnet50's 161 parameter shapes (25,557,032 values)."""
+    shapes = [(64, 3, 7, 7), (64,), (64,)]
+    inplanes = 64
+    for planes, blocks in [(64, 3), (128, 4), (256, 6), (512, 3)]:
+        for block in range(blocks):
+            shapes += [(planes, inplanes, 1, 1), (planes,), (planes,),
+                       (planes, planes, 3, 3), (planes,), (planes,),
+                       (planes * 4, planes, 1, 1), (planes * 4,), (planes * 4,)]
+            if block == 0:
+                shapes += [(planes * 4, inplanes, 1, 1), (planes * 4,), (planes * 4,)]
+            inplanes = planes * 4
+    shapes += [(1000, 2048), (1000,)]
+    return shapes
+
+
+def raw_per_tensor(comm, tensors):
+    for t in tensors:
+        comm.Allreduce(MPI.IN_PLACE, t, MPI.SUM)
+
+
+def raw_fused(comm, tensors):
+    flat = np.concatenate([t.reshape(-1) for t in tensors])
+    comm.Allreduce(MPI.IN_PLACE, flat, MPI.SUM)
+    out, offset = [], 0
+    for t in tensors:
+        out.append(flat[offset:offset + t.size].reshape(t.shape))
+        offset += t.size
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (for tests)")
+    args = parser.parse_args()
+    repeats = 3 if args.quick else 9
+    comm = MPI.COMM_WORLD.Dup()
+    strategy = ms.MultiWorkerMirroredStrategy()
+    n = comm.Get_size()
+
+    # 1. ResNet-50 gradients
+    shapes = resnet50_shapes()
+    grads = [np.random.default_rng(i).standard_normal(s).astype(np.float32)
+             for i, s in enumerate(shapes)]
+    values = sum(g.size for g in grads)
+    assert len(grads) == 161 and values == 25_557_032, (len(grads), values)
+    per_tensor = best_seconds(comm, lambda: raw_per_tensor(comm, grads), repeats)
+    fused = best_seconds(comm, lambda: raw_fused(comm, grads), repeats)
+    raw_best = min(per_tensor, fused)
+    ours_reduce = best_seconds(comm, lambda: strategy.reduce("SUM", grads, axis=None), repeats)
+    ours_ctx = best_seconds(comm, lambda: strategy.run(
+        lambda g: ms.get_replica_context().all_reduce("SUM", g), args=(grads,)), repeats)
+    for name, ours in [("strategy.reduce", ours_reduce), ("ReplicaContext.all_reduce", ours_ctx)]:
+        emit(comm, {"benchmark": "resnet50_gradients", "api": name, "ranks": n,
+                    "tensors": len(grads), "values": values, "ours_ms": round(ours * 1e3, 2),
+                    "raw_per_tensor_ms": round(per_tensor * 1e3, 2),
+                    "raw_fused_ms": round(fused * 1e3, 2),
+                    "ratio": round(ours / raw_best, 3), "target": 1.10})
+
+    # 2. 2000 small tensors
+    small = [np.full(256, float(i), dtype=np.float32) for i in range(2000)]
+    raw_small = best_seconds(comm, lambda: raw_fused(comm, small), repeats)
+    raw_small_each = best_seconds(comm, lambda: raw_per_tensor(comm, small), repeats)
+    ours_small = best_seconds(comm, lambda: strategy.reduce("SUM", small, axis=None), repeats)
+    emit(comm, {"benchmark": "2000x256_float32", "ranks": n, "ours_ms": round(ours_small * 1e3, 3),
+                "raw_fused_ms": round(raw_small * 1e3, 3),
+                "raw_per_tensor_ms": round(raw_small_each * 1e3, 3),
+                "ratio": round(ours_small / raw_small, 3), "target": 1.3})
+
+    # 3. scalar reduce latency
+    one = np.ones(1)
+    raw_scalar = best_seconds(comm, lambda: comm.Allreduce(MPI.IN_PLACE, one, MPI.SUM),
+                              repeats, inner=2000)
+    ours_scalar = best_seconds(comm, lambda: strategy.reduce("SUM", 1.0, axis=None),
+                               repeats, inner=2000)
+    emit(comm, {"benchmark": "scalar_reduce", "ranks": n, "ours_us": round(ours_scalar * 1e6, 2),
+                "raw_allreduce_us": round(raw_scalar * 1e6, 2),
+                "ratio": round(ours_scalar / raw_scalar, 2), "target_us": 20})
+
+    # 4. large messages: our algorithm choice against MPI's own Allreduce
+    engine = strategy.extended.engine
+    for mib in ([4, 16] if args.quick else [1, 4, 16, 64]):
+        buf = np.ones(mib * (1 << 20) // 4, dtype=np.float32)
+        out = np.empty_like(buf)
+        raw = best_seconds(comm, lambda: comm.Allreduce(buf, out, MPI.SUM), repeats)
+        ours = best_seconds(comm, lambda: engine.all_reduce(buf, "SUM"), repeats)
+        emit(comm, {"benchmark": "large_allreduce", "ranks": n, "mib": mib,
+                    "ours_ms": round(ours * 1e3, 2), "raw_allreduce_ms": round(raw * 1e3, 2),
+                    "ratio": round(ours / raw, 3)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Helpers shared by the benchmarks: timing with barriers, and JSON output from rank 0."""
+
+import json
+import sys
+import time
+from typing import Callable, Dict
+
+from mpi4py import MPI
+
+
+def best_seconds(comm: MPI.Comm, fn: Callable[[], object], repeats: int = 7,
+                 inner: int = 1) -> float:
+    """Minimum over ``repeats`` of the slowest rank's time for ``inner`` calls of ``fn``."""
+    fn()  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        elapsed = (time.perf_counter() - start) / inner
+        best = min(best, comm.allreduce(elapsed, op=MPI.MAX))
+    return best
+
+
+def emit(comm: MPI.Comm, record: Dict) -> None:
+    """Print ``record`` as one JSON line on rank 0."""
+    if comm.Get_rank() == 0:
+        print(json.dumps(record), flush=True)
+        sys.stdout.flush()

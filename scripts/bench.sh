@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# Run the benchmarks; each prints JSON lines with ratios to a raw baseline from the same run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/mpirun --limit 900 -n 2 .venv/bin/python benchmarks/collectives.py "$@"

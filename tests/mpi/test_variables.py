@@ -1,0 +1,93 @@
+"""Variables under a strategy: initial values, aggregations, synchronizations."""
+
+import numpy as np
+import pytest
+
+import mpistrat as ms
+
+A = ms.VariableAggregation
+S = ms.VariableSynchronization
+
+
+@pytest.mark.mpi(min_size=1)
+def test_doc_scope_mirrored_variable_starts_from_rank_zero(strategy, world):
+    with strategy.scope():
+        mirrored_variable = ms.Variable(1.0)
+        from_rank = ms.Variable(lambda: np.full(2, float(world.rank)))
+    assert mirrored_variable.distributed
+    assert repr(mirrored_variable) == (
+        f"MirroredVariable:{{\n  {world.rank}: <ms.Variable 'Variable:0' shape=() "
+        f"dtype=float64, numpy=1.0>\n}}")
+    assert from_rank.numpy().tolist() == [0.0, 0.0]  # rank 0's value everywhere
+    regular_variable = ms.Variable(1.0)
+    assert repr(regular_variable) == "<ms.Variable 'Variable:0' shape=() dtype=float64, numpy=1.0>"
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("aggregation,expected", [
+    (A.SUM, lambda n, s: 10 + s), (A.MEAN, lambda n, s: 10 + s / n),
+    (A.ONLY_FIRST_REPLICA, lambda n, s: 10.0), (A.NONE, None)])
+def test_assign_add_in_replica_context_follows_the_aggregation(strategy, world, aggregation,
+                                                               expected):
+    with strategy.scope():
+        v = ms.Variable(10.0, aggregation=aggregation)
+    strategy.run(lambda: v.assign_add(float(world.rank)))
+    n, s = world.size, sum(range(world.size))
+    want = 10.0 + world.rank if expected is None else expected(n, s)
+    assert float(v) == pytest.approx(want)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_assign_in_replica_context_sum_and_first_replica(strategy, world):
+    with strategy.scope():
+        total = ms.Variable(np.zeros(2), aggregation=A.SUM)
+        first = ms.Variable(np.zeros(2), aggregation=A.ONLY_FIRST_REPLICA)
+    strategy.run(lambda: (total.assign(np.full(2, 1.0 + world.rank)),
+                          first.assign(np.full(2, 5.0 + world.rank))))
+    assert total.numpy().tolist() == [world.size + sum(range(world.size))] * 2
+    assert first.numpy().tolist() == [5.0, 5.0]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_cross_replica_assign_applies_everywhere(strategy, world):
+    with strategy.scope():
+        v = ms.Variable(0.0, aggregation=A.SUM)
+        v.assign(3.0)
+    assert float(v) == 3.0
+
+
+@pytest.mark.mpi(min_size=1)
+def test_mean_on_integer_variable_raises(strategy):
+    with strategy.scope():
+        v = ms.Variable(np.int32(1), aggregation=A.MEAN)
+    with pytest.raises(ValueError, match="MEAN cannot apply to an integer"):
+        strategy.run(lambda: v.assign_add(1))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("aggregation", [A.SUM, A.MEAN, A.ONLY_FIRST_REPLICA])
+def test_on_read_keeps_per_replica_values_and_reduces_on_read(strategy, world, aggregation):
+    with strategy.scope():
+        v = ms.Variable(0.0, synchronization=S.ON_READ, aggregation=aggregation)
+    assert not v.trainable
+    local = strategy.run(lambda: float(v.assign_add(world.rank + 1.0).read_value()))
+    assert local == world.rank + 1.0  # replica context reads the local value
+    n, s = world.size, sum(range(1, world.size + 1))
+    with strategy.scope():
+        read = float(v)
+    assert read == pytest.approx({A.SUM: s, A.MEAN: s / n, A.ONLY_FIRST_REPLICA: 1.0}[aggregation])
+    assert repr(v).startswith("SyncOnReadVariable:{")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_on_read_cross_replica_assign_and_none_aggregation(strategy, world):
+    with strategy.scope():
+        counter = ms.Variable(0.0, synchronization=S.ON_READ, aggregation=A.SUM)
+        counter.assign(6.0)
+        assert float(counter) == pytest.approx(6.0)  # each replica holds 6 / n
+        with pytest.raises(ValueError, match="use assign"):
+            counter.assign_add(1.0)
+        unreduced = ms.Variable(1.0, synchronization=S.ON_READ, aggregation=A.NONE)
+        with pytest.raises(ValueError, match="no cross-replica value"):
+            unreduced.numpy()
+    assert strategy.run(lambda: float(counter)) == pytest.approx(6.0 / world.size)

@@ -31,6 +31,9 @@ from mpistrat.distribute import (DistributedValues, InputContext, InputOptions, 
                                  get_replica_context, get_strategy, has_strategy,
                                  in_cross_replica_context)
 from mpistrat import experimental  # noqa: E402
+from mpistrat.checkpoint import (Checkpoint, CheckpointManager, CheckpointOptions,  # noqa: E402
+                                 latest_checkpoint)
+from mpistrat import train  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -41,4 +44,5 @@ __all__ = [
     "MultiWorkerMirroredStrategy", "PerReplica", "ReplicaContext", "RunOptions", "Strategy",
     "ValueContext", "Variable", "VariableAggregation", "VariableSynchronization",
     "get_replica_context", "get_strategy", "has_strategy", "in_cross_replica_context",
+    "Checkpoint", "CheckpointManager", "CheckpointOptions", "latest_checkpoint", "train",
 ]

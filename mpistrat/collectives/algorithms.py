@@ -24,6 +24,7 @@ from mpi4py import MPI
 from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.reduce_op import ReduceOp
+from mpistrat.partition import even_ranges
 
 __all__ = ["ring_chunks", "choose_algorithm", "allreduce", "RING_THRESHOLD_BYTES"]
 
@@ -37,20 +38,8 @@ _COMBINE = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add,
 
 
 def ring_chunks(count: int, parts: int) -> List[Tuple[int, int]]:
-    """Split ``count`` elements into ``parts`` contiguous ``(start, stop)`` ranges.
-
-    The first ``count % parts`` ranges hold one element more; ranges may be
-    empty when ``count < parts``.
-    """
-    if parts < 1 or count < 0:
-        raise ValueError(f"ring_chunks needs count >= 0 and parts >= 1, got {count}, {parts}")
-    base, extra = divmod(count, parts)
-    bounds, start = [], 0
-    for index in range(parts):
-        stop = start + base + (1 if index < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+    """The ring's chunks: ``count`` elements in ``parts`` contiguous ranges (``even_ranges``)."""
+    return even_ranges(count, parts)
 
 
 def choose_algorithm(nbytes: int, comm_size: int, threshold: int = RING_THRESHOLD_BYTES) -> str:

@@ -182,6 +182,26 @@ class Variable(NDArrayOperatorsMixin):
                              f"to an integer variable ({self.dtype}); use SUM or ONLY_FIRST_REPLICA")
         return self._engine.all_reduce(value, _REDUCE[self.aggregation])
 
+    # -- checkpoints -------------------------------------------------------------
+    def _checkpoint_read(self) -> np.ndarray:
+        """The value a checkpoint saves: ON_READ variables save their combined value.
+
+        Collective for distributed ON_READ variables (checkpoints read every
+        variable on every rank in the same order).
+        """
+        if (self._strategy is not None and self.synchronization is VariableSynchronization.ON_READ
+                and self.aggregation is not VariableAggregation.NONE):
+            return self._combined()
+        return self._value
+
+    def _checkpoint_restore(self, value: np.ndarray) -> None:
+        """Put a saved value back (no communication: every rank restores the same value)."""
+        value = np.asarray(value)
+        if (self._strategy is not None and self.synchronization is VariableSynchronization.ON_READ
+                and self.aggregation is VariableAggregation.SUM):
+            value = value / self._strategy.num_replicas_in_sync  # so that the SUM reads back
+        self._value = np.array(value, dtype=self.dtype)
+
     # -- display -----------------------------------------------------------------
     def _describe(self, value) -> str:
         value = np.asarray(value)

@@ -1,0 +1,106 @@
+"""The text state file ``checkpoint`` that names the latest checkpoints (TensorFlow's format).
+
+    model_checkpoint_path: "ckpt-2"
+    all_model_checkpoint_paths: "ckpt-1"
+    all_model_checkpoint_paths: "ckpt-2"
+    all_model_checkpoint_timestamps: 1764500000.5
+    all_model_checkpoint_timestamps: 1764500100.25
+    last_preserved_timestamp: 1764499000.0
+
+Paths are relative to the directory. It is written atomically (temporary
+file, fsync, rename, fsync of the directory) and parsed without evaluating
+anything::
+
+    >>> from mpistrat.checkpoint.state_file import CheckpointState, format_state, parse_state
+    >>> state = CheckpointState("ckpt-2", ["ckpt-1", "ckpt-2"], [1.0, 2.0], 0.5)
+    >>> parse_state(format_state(state)) == state
+    True
+"""
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+__all__ = ["CheckpointState", "format_state", "parse_state", "read_state", "write_state",
+           "STATE_FILE"]
+
+STATE_FILE = "checkpoint"
+_LINE = re.compile(r'^\s*([a-z_]+)\s*:\s*(.+?)\s*$')
+
+
+@dataclass
+class CheckpointState:
+    """What the state file says: the latest path, all kept paths and their times."""
+
+    model_checkpoint_path: str
+    all_model_checkpoint_paths: List[str] = field(default_factory=list)
+    all_model_checkpoint_timestamps: List[float] = field(default_factory=list)
+    last_preserved_timestamp: float = 0.0
+
+
+def format_state(state: CheckpointState) -> str:
+    """The text of the state file."""
+    lines = [f"model_checkpoint_path: {json.dumps(state.model_checkpoint_path)}"]
+    lines += [f"all_model_checkpoint_paths: {json.dumps(p)}" for p in state.all_model_checkpoint_paths]
+    lines += [f"all_model_checkpoint_timestamps: {t!r}" for t in state.all_model_checkpoint_timestamps]
+    lines.append(f"last_preserved_timestamp: {state.last_preserved_timestamp!r}")
+    return "\n".join(lines) + "\n"
+
+
+def parse_state(text: str) -> CheckpointState:
+    """Parse the state file; ``ValueError`` on a line it does not understand."""
+    state = CheckpointState("")
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        match = _LINE.match(line)
+        if not match:
+            raise ValueError(f"line {number} of the checkpoint state file is malformed: {line!r}")
+        key, raw = match.groups()
+        if key == "model_checkpoint_path":
+            state.model_checkpoint_path = _string(raw, number)
+        elif key == "all_model_checkpoint_paths":
+            state.all_model_checkpoint_paths.append(_string(raw, number))
+        elif key == "all_model_checkpoint_timestamps":
+            state.all_model_checkpoint_timestamps.append(float(raw))
+        elif key == "last_preserved_timestamp":
+            state.last_preserved_timestamp = float(raw)
+    return state
+
+
+def _string(raw: str, number: int) -> str:
+    if not (raw.startswith('"') and raw.endswith('"')):
+        raise ValueError(f"line {number} of the checkpoint state file: expected a quoted path")
+    value = json.loads(raw)
+    if not isinstance(value, str):
+        raise ValueError(f"line {number} of the checkpoint state file: expected a string")
+    return value
+
+
+def read_state(directory: str) -> Optional[CheckpointState]:
+    """The state in ``directory``, or ``None`` when there is no state file."""
+    path = os.path.join(directory, STATE_FILE)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        return None
+    return parse_state(text)
+
+
+def write_state(directory: str, state: CheckpointState) -> None:
+    """Replace the state file atomically."""
+    path = os.path.join(directory, STATE_FILE)
+    tmp = os.path.join(directory, f".{STATE_FILE}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(format_state(state))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fd = os.open(directory or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -22,6 +22,15 @@ def pytest_report_header(config):
             f"{mpi4py.__version__}; h5py {h5py.__version__} (parallel={h5py.get_config().mpi})"]
 
 
+# Defines say(): one write per line, so lines of different ranks do not interleave.
+PRELUDE = (
+    "import sys as _sys\n"
+    "def say(*parts):\n"
+    "    _sys.stdout.write(' '.join(str(p) for p in parts) + '\\n')\n"
+    "    _sys.stdout.flush()\n"
+)
+
+
 class Launched:
     """The outcome of a launched MPI job."""
 
@@ -38,7 +47,7 @@ def launch(tmp_path):
 
     def run(nprocs: int, script: str, *args: str, limit: int = 120, env=None) -> Launched:
         path = tmp_path / "job.py"
-        path.write_text(script)
+        path.write_text(PRELUDE + script)
         # Drop the variables of this process's own (singleton) MPI run, so the
         # launched mpirun starts a fresh job instead of joining this one.
         full_env = {k: v for k, v in os.environ.items()

@@ -143,6 +143,17 @@ class Checkpoint:
         named["save_counter"] = self.save_counter
         return named
 
+    def _assign(self, name: str, value: Any) -> None:
+        """Put back a restored top-level number, on the root or on the checkpoint."""
+        root = self._root
+        if name not in self._children and isinstance(root, dict):
+            root[name] = value
+        elif name not in self._children and root is not None:
+            setattr(root, name, value)
+        else:
+            object.__setattr__(self, name, value)
+            self._children[name] = value
+
     def _checkpoint_children(self) -> Dict[str, Any]:
         """Lets a checkpoint be nested inside another one."""
         return self._named()
@@ -213,7 +224,7 @@ class Checkpoint:
         self.sync()
         final = resolve(save_path)
         values, kinds = read_file(final, _io_engine())
-        slots = collect_slots(self._named())
+        slots = collect_slots(self._named(), self._assign)
         matched = self._apply(slots, values, final)
         pending = {p: v for p, v in values.items() if p not in matched}
         object.__setattr__(self, "_pending", pending)
@@ -236,7 +247,7 @@ class Checkpoint:
         return matched
 
     def _apply_pending(self, named: Dict[str, Any]) -> None:
-        slots = collect_slots(named)
+        slots = collect_slots(named, self._assign)
         matched = self._apply(slots, self._pending, "the restored checkpoint")
         for path in matched:
             self._pending.pop(path, None)

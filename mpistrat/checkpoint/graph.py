@@ -78,12 +78,18 @@ def _is_plain_object(obj: Any) -> bool:
         obj, (type, types.ModuleType, types.FunctionType, types.MethodType))
 
 
-def collect_slots(named: Dict[str, Any]) -> Dict[str, Slot]:
-    """Walk ``named`` objects into a dict of object path -> ``Slot``."""
+def collect_slots(named: Dict[str, Any],
+                  assign: Optional[Callable[[str, Any], None]] = None) -> Dict[str, Slot]:
+    """Walk ``named`` objects into a dict of object path -> ``Slot``.
+
+    ``assign(name, value)`` puts a restored top-level number back (numbers are
+    immutable, so their holder must be told); without it they are save-only.
+    """
     slots: Dict[str, Slot] = {}
     seen: set = set()
     for name in sorted(named):
-        _walk(named[name], check_segment(name), None, slots, seen)
+        setter = None if assign is None else (lambda v, n=name: assign(n, v))
+        _walk(named[name], check_segment(name), setter, slots, seen)
     return slots
 
 

@@ -47,9 +47,16 @@ def parallel_available() -> bool:
     return bool(h5py.get_config().mpi)
 
 
+_FAULT_HITS: Dict[str, int] = {}
+
+
 def fault_point(name: str, rank: int) -> None:
-    """Test hook: ``MPISTRAT_FAULT=name:rank`` kills this rank here with SIGKILL."""
-    if os.environ.get("MPISTRAT_FAULT") == f"{name}:{rank}":
+    """Test hook: ``MPISTRAT_FAULT=name:rank:n`` kills this rank with SIGKILL the n-th time here."""
+    spec = os.environ.get("MPISTRAT_FAULT", "")
+    if not spec.startswith(f"{name}:{rank}:"):
+        return
+    _FAULT_HITS[name] = _FAULT_HITS.get(name, 0) + 1
+    if _FAULT_HITS[name] == int(spec.rsplit(":", 1)[1]):
         import signal
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -104,7 +111,6 @@ def write_file(final: str, values: Dict[str, np.ndarray], kinds: Dict[str, str],
     checksums = {}
     for part in engine.comm.allgather(mine):  # small: one CRC per partition
         checksums.update(part)
-    fault_point("checkpoint-data-written", rank)
     error = None
     if rank == 0:
         try:
@@ -150,6 +156,7 @@ def _write_parallel(tmp, paths, values, kinds, layouts, comm, mine):
                 else:
                     dset[a:b] = block
                 mine[(p, part)] = _checksum(block)
+                fault_point("checkpoint-partition-written", rank)
         f.flush()
 
 
@@ -172,6 +179,7 @@ def _write_parts(final, paths, values, layouts, comm, mine):
                 block = _rows(values[p], a, b)
                 f.create_dataset(f"{p}/part-{part}", data=block)
                 mine[(p, part)] = _checksum(block)
+                fault_point("checkpoint-partition-written", rank)
     _fsync(tmp)
     os.replace(tmp, part_path)
 

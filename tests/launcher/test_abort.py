@@ -31,7 +31,7 @@ def test_single_rank_exception_prints_a_plain_traceback(launch):
 
 
 JOB_RANK1_NEVER_JOINS = """
-import time
+import sys, time
 import numpy as np
 import mpistrat as ms
 strategy = ms.MultiWorkerMirroredStrategy(
@@ -41,7 +41,7 @@ if rank == 0:
     try:
         strategy.reduce("SUM", np.ones(3), axis=None)
     except ms.errors.DeadlineExceededError as err:
-        print("rank 0 caught:", err, flush=True)
+        say("rank 0 caught:", err)
         raise
 time.sleep(60)
 """
@@ -57,13 +57,14 @@ def test_collective_timeout_raises_deadline_exceeded(launch):
 
 
 JOB_MIRRORED = """
+import sys
 import mpistrat as ms
 try:
     ms.MirroredStrategy()
 except ValueError as err:
-    print("refused:", err, flush=True)
+    say("refused:", err)
 s = ms.MultiWorkerMirroredStrategy()
-print("mwms replicas", s.num_replicas_in_sync, flush=True)
+say("mwms replicas", s.num_replicas_in_sync)
 """
 
 
@@ -77,7 +78,7 @@ def test_mirrored_strategy_refuses_several_nodes(launch):
 
 
 def test_mirrored_strategy_on_one_node_spans_its_ranks(launch):
-    result = launch(3, "import mpistrat as ms\nprint('replicas', ms.MirroredStrategy()"
-                       ".num_replicas_in_sync)\n", limit=60)
+    result = launch(3, "import sys, mpistrat as ms\nsys.stdout.write('replicas %d\\n' % "
+                       "ms.MirroredStrategy().num_replicas_in_sync)\n", limit=60)
     assert result.returncode == 0, result
     assert result.output.count("replicas 3") == 3, result

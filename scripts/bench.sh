@@ -2,4 +2,7 @@
 # Run the benchmarks; each prints JSON lines with ratios to a raw baseline from the same run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/mpirun --limit 900 -n 2 .venv/bin/python benchmarks/collectives.py "$@"
+scripts/mpirun --limit 900 -n 2 .venv/bin/python benchmarks/collectives.py
+for n in 1 2 4; do
+    scripts/mpirun --limit 900 -n "$n" .venv/bin/python benchmarks/checkpoint.py --gib 1.0
+done

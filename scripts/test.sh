@@ -17,13 +17,13 @@ summary() {  # the counts in pytest's closing line of log $1
 }
 
 echo "=== single-process tests (unit, launcher)"
-timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=300 \
+timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=300 --timeout-method=thread \
     tests/unit tests/launcher 2>&1 | tee "$logs/single.log" || failed_runs="$failed_runs single"
 
 for n in 1 2 3 4; do
     echo "=== multi-rank tests at $n ranks"
     scripts/mpirun --limit 900 -n "$n" "$PY" scripts/rank_pytest.py "$logs/np$n" \
-        -q --color=no -p no:cacheprovider --timeout=120 tests/mpi 2>&1 | tee "$logs/np$n.rank0.log"
+        -q --color=no -p no:cacheprovider --timeout=120 --timeout-method=thread tests/mpi 2>&1 | tee "$logs/np$n.rank0.log"
     if [ "${PIPESTATUS[0]}" -ne 0 ]; then
         failed_runs="$failed_runs np$n"
         for f in "$logs"/np$n.rank*.log; do

@@ -175,15 +175,23 @@ class Checkpoint:
         self.sync()
         engine = _io_engine()
         directory = os.path.dirname(path) or "."
+        error = None
         if engine.rank == 0:
-            os.makedirs(directory, exist_ok=True)
-            remove_leftovers(directory)
-        engine.barrier()  # leftovers are gone before anyone writes
+            try:
+                os.makedirs(directory, exist_ok=True)
+                remove_leftovers(directory)
+            except OSError as err:
+                error = f"rank 0 could not prepare {directory}: {err}"
+        error = engine.broadcast_object(error)  # leftovers are gone before anyone writes
+        if error:
+            raise OSError(error)
         slots = collect_slots(self._named())
-        values = {p: np.array(s.read(), copy=True) for p, s in sorted(slots.items())}
+        asynchronous = options is not None and options.asynchronous
+        # An async save stages a copy (training may change the values meanwhile).
+        values = {p: np.array(s.read(), copy=asynchronous) for p, s in sorted(slots.items())}
         kinds = {p: s.kind for p, s in slots.items()}
         job = _SaveJob(path, values, kinds, engine, on_commit)
-        if options is not None and options.asynchronous:
+        if asynchronous:
             if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
                 raise RuntimeError("async checkpoints need MPI_THREAD_MULTIPLE; this MPI "
                                    "was initialised with less")

@@ -200,7 +200,7 @@ class Variable(NDArrayOperatorsMixin):
         if (self._strategy is not None and self.synchronization is VariableSynchronization.ON_READ
                 and self.aggregation is VariableAggregation.SUM):
             value = value / self._strategy.num_replicas_in_sync  # so that the SUM reads back
-        self._value = np.array(value, dtype=self.dtype)
+        self._value = np.asarray(value, dtype=self.dtype)  # restored values are fresh arrays
 
     # -- display -----------------------------------------------------------------
     def _describe(self, value) -> str:

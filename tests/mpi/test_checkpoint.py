@@ -198,12 +198,22 @@ def test_async_save_overlaps_training_collectives(strategy, world, shared_dir):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_async_error_surfaces_at_sync(world, shared_dir):
+def test_async_error_surfaces_at_sync_on_every_rank(world, shared_dir):
+    if world.rank == 0:
+        os.makedirs(os.path.join(shared_dir, "ckpt-1.h5"))  # the commit's rename will fail
+    world.comm.Barrier()
+    ckpt = ms.Checkpoint(v=ms.Variable(1.0))
+    ckpt.save(shared_dir + "/ckpt", options=ms.CheckpointOptions(enable_async=True))
+    with pytest.raises(OSError, match="committing checkpoint"):
+        ckpt.sync()
+    ckpt.sync()  # the error is reported once
+
+
+@pytest.mark.mpi(min_size=1)
+def test_unusable_directory_raises_on_every_rank(world, shared_dir):
     blocker = os.path.join(shared_dir, "file")
     if world.rank == 0:
         open(blocker, "w").close()
     world.comm.Barrier()
-    ckpt = ms.Checkpoint(v=ms.Variable(1.0))
-    with pytest.raises(OSError):  # the directory is a file: the background write fails
-        ckpt.save(os.path.join(blocker, "ckpt"), options=ms.CheckpointOptions(enable_async=True))
-        ckpt.sync()
+    with pytest.raises(OSError, match="could not prepare"):
+        ms.Checkpoint(v=ms.Variable(1.0)).save(os.path.join(blocker, "ckpt"))

@@ -22,6 +22,7 @@ latest one.
 import os
 import uuid
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, List, Tuple
 
 import h5py
@@ -220,8 +221,10 @@ def read_file(final: str, engine: CollectiveEngine) -> Tuple[Dict[str, np.ndarra
     pieces: Dict[str, np.ndarray] = {}
     meta: Dict[str, Tuple[tuple, np.dtype, str]] = {}
     error = None
+    # CRCs run in worker threads (zlib releases the GIL) while the next dataset is read.
+    checks: List[Future] = []
     try:
-        with h5py.File(final, "r") as f:
+        with ThreadPoolExecutor(max_workers=2) as pool, h5py.File(final, "r") as f:
             if f.attrs.get("mpistrat_format_version") != FORMAT_VERSION:
                 raise DataLossError(f"{final} is not an mpistrat checkpoint of format version "
                                     f"{FORMAT_VERSION} (found {f.attrs.get('mpistrat_format_version')!r})")
@@ -236,7 +239,9 @@ def read_file(final: str, engine: CollectiveEngine) -> Tuple[Dict[str, np.ndarra
                 else:
                     run = read_runs(len(partitions), size)[rank]
                 pieces[p] = _read_run(final, p, dset, partitions[run[0]:run[1]],
-                                      sums[run[0]:run[1]])
+                                      sums[run[0]:run[1]], pool, checks)
+            for check in checks:
+                check.result()  # raises the DataLossError of a failed checksum
     except (DataLossError, NotFoundError) as err:
         error = f"{type(err).__name__}|rank {rank}: {err}"
     except Exception as err:  # noqa: BLE001 - h5py raises OSError/KeyError on damaged files
@@ -261,10 +266,10 @@ def _dataset_paths(f: h5py.File) -> List[str]:
     return sorted(names)
 
 
-def _read_run(final, path, dset, partitions, sums) -> np.ndarray:
+def _read_run(final, path, dset, partitions, sums, pool, checks) -> np.ndarray:
+    """Read a run of partitions; ``pool`` verifies their checksums (futures into ``checks``)."""
     if dset.ndim == 0:
-        block = np.asarray(dset[()]).reshape(1)
-        blocks = [block]
+        blocks = [np.asarray(dset[()]).reshape(1)]
     elif not partitions:
         return np.empty((0,) + dset.shape[1:], dtype=dset.dtype)
     else:
@@ -272,18 +277,25 @@ def _read_run(final, path, dset, partitions, sums) -> np.ndarray:
         start = partitions[0][0]
         blocks = [whole[a - start:b - start] for a, b in partitions]
     for (a, b), block, expected in zip(partitions, blocks, sums):
-        if _checksum(block) != expected:
-            raise DataLossError(f"checksum mismatch in {final}, object {path!r}, rows {a}:{b}: "
-                                f"the file is corrupt; restore an earlier checkpoint")
-    return blocks[0].reshape(()) if dset.ndim == 0 else np.concatenate(blocks) \
-        if len(blocks) > 1 else blocks[0]
+        checks.append(pool.submit(_verify, block, expected, final, path, a, b))
+    if dset.ndim == 0:
+        return blocks[0].reshape(())
+    return whole
+
+
+def _verify(block, expected, final, path, a, b) -> None:
+    if _checksum(block) != expected:
+        raise DataLossError(f"checksum mismatch in {final}, object {path!r}, rows {a}:{b}: "
+                            f"the file is corrupt; restore an earlier checkpoint")
 
 
 def _assemble(pieces, meta, engine) -> Dict[str, np.ndarray]:
     large = [p for p, (shape, dtype, _) in meta.items()
              if len(shape) and int(np.prod(shape)) * dtype.itemsize >= _SMALL_BYTES]
     values = {p: v for p, v in pieces.items() if p not in large}
-    if large:
+    if large and engine.size == 1:  # this rank read every partition itself
+        values.update((p, pieces[p]) for p in large)
+    elif large:
         gathered = engine.all_gather([pieces[p] for p in large], axis=0)
         values.update(zip(large, gathered))
     return values

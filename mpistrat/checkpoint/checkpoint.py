@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 from mpistrat.checkpoint.files import data_file, remove_leftovers, resolve
 from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots
-from mpistrat.checkpoint.h5format import parallel_available, read_file, write_file
+from mpistrat.checkpoint.h5format import gather_errors, parallel_available, read_file, write_file
 from mpistrat.checkpoint.state_file import CheckpointState, read_state, write_state
 from mpistrat.collectives import CollectiveEngine
 from mpistrat.distribute.variables import Variable
@@ -289,7 +289,7 @@ class _SaveJob:
                 self.on_commit()
             except Exception as err:  # noqa: BLE001 - shared with every rank below
                 error = f"rank 0: updating the checkpoint state for {self.path}: {err}"
-        errors = [e for e in self.engine.comm.allgather(error) if e]
+        errors = gather_errors(self.engine, error)
         if errors:  # the state file names the new checkpoint before anyone moves on
             raise OSError(errors[0])
 

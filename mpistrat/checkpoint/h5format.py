@@ -35,7 +35,7 @@ from mpistrat.collectives import CollectiveEngine
 from mpistrat.errors import DataLossError, NotFoundError
 
 __all__ = ["FORMAT_VERSION", "write_file", "read_file", "part_files", "parallel_available",
-           "fault_point"]
+           "fault_point", "gather_errors"]
 
 FORMAT_VERSION = 1
 _SMALL_BYTES = 1 << 20  # values below this are read whole by every rank
@@ -127,9 +127,14 @@ def write_file(final: str, values: Dict[str, np.ndarray], kinds: Dict[str, str],
     _agree_or_raise(engine, error, f"committing checkpoint {final}")
 
 
+def gather_errors(engine: CollectiveEngine, error) -> List[str]:
+    """Every rank's error text (``None`` where it went well): all ranks get the same list."""
+    return [e for e in engine.comm.allgather(error) if e]
+
+
 def _agree_or_raise(engine: CollectiveEngine, error, what: str) -> None:
     """Every rank raises the same error if any rank failed (no rank is left waiting)."""
-    errors = [e for e in engine.comm.allgather(error) if e]
+    errors = gather_errors(engine, error)
     if errors:
         raise OSError(f"{what} failed: " + "; ".join(errors))
 
@@ -247,7 +252,7 @@ def read_file(final: str, engine: CollectiveEngine) -> Tuple[Dict[str, np.ndarra
     except Exception as err:  # noqa: BLE001 - h5py raises OSError/KeyError on damaged files
         error = (f"DataLossError|rank {rank}: {final} could not be read as an mpistrat "
                  f"checkpoint ({type(err).__name__}: {err})")
-    errors = [e for e in engine.comm.allgather(error) if e]
+    errors = gather_errors(engine, error)
     if errors:
         kind, _, _ = errors[0].partition("|")
         text = "; ".join(e.partition("|")[2] for e in errors)

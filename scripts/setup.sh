@@ -15,6 +15,10 @@ want_stamp=$(cat scripts/setup.sh pyproject.toml | sha256sum | cut -c1-16)
 sudo_if_needed() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
 # 1. System packages (Debian's Open MPI and parallel HDF5).
+# Debian's own python3 needs python3-venv (and headers) before it can make a virtual environment.
+if ! python3 -c "import venv, ensurepip" 2>/dev/null; then
+    APT_PACKAGES="$APT_PACKAGES python3-venv python3-dev"
+fi
 missing=""
 for p in $APT_PACKAGES; do
     dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"
@@ -22,7 +26,7 @@ done
 if [ -n "$missing" ]; then
     echo "setup: installing Debian packages:$missing"
     sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get update -qq
-    sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing
+    sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
 fi
 
 # 2. Virtual environment.
@@ -35,7 +39,7 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want_stamp" ] \
 fi
 
 PIP="$PY -m pip install -q --disable-pip-version-check"
-$PIP --upgrade pip "setuptools>=70" wheel
+$PIP --upgrade pip "setuptools>=77" wheel
 $PIP numpy "cython>=3" pkgconfig "mpi4py>=4.0" pytest pytest-mpi pytest-timeout tqdm
 
 # 3. h5py against parallel HDF5 (pip caches the built wheel).

@@ -93,3 +93,15 @@ def test_info_command_describes_every_rank(launch):
     rows = [json.loads(line) for line in lines]
     assert [r["rank"] for r in rows] == [0, 1] and all(r["size"] == 2 for r in rows)
     assert all(r["h5py_mpi"] is True and "Open MPI" in r["mpi"] for r in rows)
+
+
+def test_trace_names_each_collective_and_rank(launch):
+    job = ("import numpy as np, mpistrat as ms\n"
+           "s = ms.MultiWorkerMirroredStrategy()\n"
+           "s.reduce('SUM', np.ones(3), axis=None)\n")
+    result = launch(2, job, env={"MPISTRAT_TRACE": "1"}, limit=60)
+    assert result.returncode == 0, result
+    for rank in (0, 1):
+        assert f"[mpistrat rank {rank}] #1 all_reduce SUM: 1 tensors, 3 elements" in result.output
+        assert f"[mpistrat rank {rank}] #1 all_reduce SUM: 1 numpy tensors via host-mpi" \
+            in result.output, result

@@ -168,3 +168,24 @@ def test_wait_all_raises_deadline_exceeded_on_a_request_that_never_completes():
     request.Wait()
     wait_all([MPI.COMM_SELF.Ibarrier()], Deadline.after(5), "barrier")  # completes
     wait_all([MPI.COMM_SELF.Ibarrier()], None, "barrier")
+
+
+def test_slurm_cluster_resolver_reads_the_step_environment(monkeypatch):
+    from mpistrat.cluster_resolver import SlurmClusterResolver
+    from mpistrat.runtime import get_world
+    for key in ("SLURM_PROCID", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ValueError, match="srun"):
+        SlurmClusterResolver()
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "gpu[01-02]")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2(x2)")
+    resolver = SlurmClusterResolver(port_base=9000)
+    assert resolver.task_id == 3
+    assert resolver.cluster_spec().as_dict() == {
+        "worker": ["gpu01:9000", "gpu01:9001", "gpu02:9000", "gpu02:9001"]}
+    assert resolver.master() == "mpi://gpu01:9000"
+    with pytest.raises(ValueError, match="describes 4 workers"):
+        resolver.check_matches_world(get_world())  # this process is one rank, not four
+    with pytest.raises(ValueError, match="describes 4 workers"):
+        ms.MultiWorkerMirroredStrategy(cluster_resolver=resolver)

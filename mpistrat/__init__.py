@@ -34,6 +34,7 @@ from mpistrat import experimental  # noqa: E402
 from mpistrat.checkpoint import (Checkpoint, CheckpointManager, CheckpointOptions,  # noqa: E402
                                  latest_checkpoint)
 from mpistrat import train  # noqa: E402
+from mpistrat import data  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -44,5 +45,5 @@ __all__ = [
     "MultiWorkerMirroredStrategy", "PerReplica", "ReplicaContext", "RunOptions", "Strategy",
     "ValueContext", "Variable", "VariableAggregation", "VariableSynchronization",
     "get_replica_context", "get_strategy", "has_strategy", "in_cross_replica_context",
-    "Checkpoint", "CheckpointManager", "CheckpointOptions", "latest_checkpoint", "train",
+    "Checkpoint", "CheckpointManager", "CheckpointOptions", "latest_checkpoint", "train", "data",
 ]

@@ -180,6 +180,19 @@ class Strategy:
         values = [value_fn(ValueContext(rid, self.num_replicas_in_sync)) for rid in ids]
         return PerReplica(values, ids)
 
+    # -- input (implemented by the data layer, which registers itself) -------
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Split each global batch of a batched ``ms.data.Dataset`` over the replicas.
+
+        Iterating the result yields ``PerReplica`` batches for ``run``; all
+        ranks stop on the same step.
+        """
+        return _input_distribution("dataset")(self, dataset, options)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """Call ``dataset_fn(InputContext)`` on each rank; no rebatching or sharding."""
+        return _input_distribution("function")(self, dataset_fn, options)
+
     def __repr__(self) -> str:
         return f"<mpistrat.{type(self).__name__} num_replicas_in_sync={self.num_replicas_in_sync}>"
 
@@ -191,6 +204,20 @@ def _local(value: Any) -> Any:
             return nest.map_structure(local_component, value)
         return value
     return local_component(value)
+
+
+_INPUT: dict = {}
+
+
+def register_input_distribution(from_dataset, from_function) -> None:
+    """Called by ``mpistrat.data`` (a higher layer) to provide the dataset methods."""
+    _INPUT.update(dataset=from_dataset, function=from_function)
+
+
+def _input_distribution(kind: str):
+    if kind not in _INPUT:
+        import mpistrat.data  # noqa: F401  (registers itself; kept out of this layer's imports)
+    return _INPUT[kind]
 
 
 _IDENTITY = {ReduceOp.MIN: "max", ReduceOp.MAX: "min"}

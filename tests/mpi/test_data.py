@@ -1,0 +1,81 @@
+"""Distributed datasets at 1-4 ranks: TensorFlow's measured rebatch cases, policies, lockstep."""
+
+import numpy as np
+import pytest
+
+import mpistrat as ms
+from mpistrat.data import AutoShardPolicy, Dataset, Options
+
+# Measured with TensorFlow 2.21 (DESIGN.md section 2): per step, the batch of each replica.
+MEASURED = {
+    (10, 5, 2): [[[0, 1, 2], [3, 4]], [[5, 6, 7], [8, 9]]],
+    (14, 5, 4): [[[0, 1], [2, 3], [4], []], [[5, 6], [7, 8], [9], []],
+                 [[10], [11], [12], [13]]],
+    (14, 8, 4): [[[0, 1], [2, 3], [4, 5], [6, 7]], [[8, 9], [10, 11], [12, 13], []]],
+}
+
+
+def local_batches(strategy, dataset):
+    return [batch.values[0].tolist() for batch in strategy.experimental_distribute_dataset(dataset)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("case", sorted(MEASURED))
+def test_rebatch_matches_tensorflow(strategy, world, case):
+    count, batch, ranks = case
+    if world.size != ranks:
+        pytest.skip(f"measured at {ranks} ranks")
+    steps = MEASURED[case]
+    assert local_batches(strategy, Dataset.range(count).batch(batch)) == \
+        [step[world.rank] for step in steps]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("count,batch", [(10, 5), (14, 5), (7, 3), (2, 4)])
+def test_data_policy_covers_every_row_once_with_empty_tails(strategy, world, count, batch):
+    mine = local_batches(strategy, Dataset.range(count).batch(batch))
+    everyone = world.comm.allgather(mine)
+    assert len({len(steps) for steps in everyone}) == 1  # lockstep
+    rows = sorted(x for steps in everyone for step in steps for x in step)
+    assert rows == list(range(count))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_off_policy_duplicates_and_steps_through_every_slice(strategy, world):
+    options = Options()
+    options.experimental_distribute.auto_shard_policy = AutoShardPolicy.OFF
+    mine = local_batches(strategy, Dataset.range(10).batch(5).with_options(options))
+    assert sum(mine, []) == list(range(10))  # every rank sees everything
+    assert len(mine) == 2 * world.size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_stop_together_when_one_runs_dry(strategy, world):
+    def dataset_fn(ctx):
+        assert ctx.num_input_pipelines == world.size and ctx.input_pipeline_id == world.rank
+        return Dataset.range(3 + ctx.input_pipeline_id).batch(1)
+
+    steps = [int(b.values[0][0]) for b in strategy.distribute_datasets_from_function(dataset_fn)]
+    assert steps == [0, 1, 2]  # rank 0 has 3 batches: everyone stops after 3
+
+
+@pytest.mark.mpi(min_size=1)
+def test_batches_feed_run_and_reduce_with_true_row_counts(strategy, world):
+    total = 0.0
+    for batch in strategy.experimental_distribute_dataset(Dataset.range(14).batch(5)):
+        per_replica = strategy.run(lambda x: x.astype(np.float64) * 2, args=(batch,))
+        total += strategy.reduce("SUM", per_replica, axis=0)
+        mean = strategy.reduce("MEAN", per_replica, axis=0)
+        assert mean == pytest.approx(2 * np.mean(
+            np.concatenate(world.comm.allgather(batch.values[0]))))
+    assert total == 2 * sum(range(14))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_unbatched_and_file_policy_rejected(strategy):
+    with pytest.raises(ValueError, match="batched"):
+        strategy.experimental_distribute_dataset(Dataset.range(4))
+    options = Options()
+    options.experimental_distribute.auto_shard_policy = AutoShardPolicy.FILE
+    with pytest.raises(ValueError, match="FILE"):
+        strategy.experimental_distribute_dataset(Dataset.range(4).batch(2).with_options(options))

@@ -3,5 +3,6 @@
 from mpistrat.data.dataset import Dataset, TensorSpec
 from mpistrat.data.distributed import DistributedDataset
 from mpistrat.data.options import AutoShardPolicy, Options
+from mpistrat.data.readers import FixedLengthRecordDataset, HDF5Dataset, NpyDataset
 
-__all__ = ["Dataset", "TensorSpec", "DistributedDataset", "AutoShardPolicy", "Options"]
+__all__ = ["FixedLengthRecordDataset", "HDF5Dataset", "NpyDataset", "Dataset", "TensorSpec", "DistributedDataset", "AutoShardPolicy", "Options"]

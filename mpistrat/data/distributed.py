@@ -3,13 +3,19 @@
 ``distribute_dataset(strategy, dataset)`` follows TensorFlow's
 ``MultiWorkerMirroredStrategy`` with one replica per worker (DESIGN.md section 2):
 
-* ``DATA`` (and ``AUTO`` for these in-memory sources): every rank walks the
-  global batches and keeps its rebatch slice (``rebatch_slices``).
+* ``DATA`` (and ``AUTO`` for in-memory sources): every rank walks the global
+  batches and keeps its rebatch slice (``rebatch_slices``); for a file reader
+  followed by ``.batch`` a rank reads only the rows it keeps.
+* ``FILE`` (and ``AUTO`` for a reader with at least as many files as ranks):
+  rank r reads files r, r+N, ... and cuts its stream into batches of
+  ``ceil(G / N)`` rows.
 * ``OFF``: no sharding; every rank yields all N slices of every global batch,
   one per step, so data is duplicated across ranks as in TensorFlow.
 
-Every step, the ranks agree with a MIN all-reduce whether all of them still
-have data: all ranks stop on the same step, never one rank running dry alone.
+Every step, the ranks agree with a MAX all-reduce whether any of them still
+has data: all ranks stop on the same step, and a rank that ran dry meanwhile
+yields 0-row batches of the right dtype and inner shape (as TensorFlow does),
+so no rank's data is dropped and none waits alone.
 Iterating yields ``PerReplica`` values for ``strategy.run``.
 """
 
@@ -21,6 +27,7 @@ from mpistrat import nest
 from mpistrat.collectives import ReduceOp
 from mpistrat.data.dataset import Dataset
 from mpistrat.data.options import AutoShardPolicy
+from mpistrat.data.readers import BatchedRecords
 from mpistrat.data.rebatch import rebatch_slices
 from mpistrat.distribute.context import InputContext
 from mpistrat.distribute.strategy import register_input_distribution
@@ -49,12 +56,42 @@ class DistributedDataset:
         engine = self._strategy.extended.engine
         replica_ids = self._strategy.extended.local_replica_ids
         local = iter(self._make_local())
+        template = None  # the last batch seen: the model for 0-row batches
         while True:
             element = next(local, _END)
-            have = np.array([0 if element is _END else 1], dtype=np.int32)
-            if int(engine.all_reduce(have, ReduceOp.MIN)[0]) == 0:
-                return  # some rank ran out: everyone stops on this step
+            if element is not _END:
+                template = element
+            needs = element is _END and template is None
+            flags = engine.all_reduce(np.array([element is not _END, needs], dtype=np.int32),
+                                      ReduceOp.MAX)
+            if not flags[0]:
+                return  # no rank has data left: everyone stops on this step
+            if flags[1]:  # a rank that never had data learns the batch layout from one that did
+                specs = engine.comm.allgather(None if template is None else _spec(template))
+                spec = next(x for x in specs if x is not None)
+                template = template if template is not None else _from_spec(spec)
+            if element is _END:  # others still have data: a 0-row batch, as in TensorFlow
+                element = nest.map_structure(
+                    lambda x: np.empty((0,) + np.shape(x)[1:], np.asarray(x).dtype), template)
             yield PerReplica((element,), replica_ids)
+
+
+class _Spec:
+    """The inner shape and dtype of one component (a leaf for ``nest``; picklable)."""
+
+    def __init__(self, x):
+        self.inner, self.dtype = np.shape(x)[1:], np.asarray(x).dtype.str
+
+    def empty(self) -> np.ndarray:
+        return np.empty((0,) + tuple(self.inner), np.dtype(self.dtype))
+
+
+def _spec(batch):
+    return nest.map_structure(_Spec, batch)
+
+
+def _from_spec(spec):
+    return nest.map_structure(lambda s: s.empty(), spec)
 
 
 _END = object()
@@ -69,11 +106,22 @@ def distribute_dataset(strategy, dataset: Dataset, options=None) -> DistributedD
         raise ValueError("experimental_distribute_dataset needs a batched dataset: call "
                          ".batch(global_batch_size) before distributing it")
     policy = dataset.options().experimental_distribute.auto_shard_policy
-    if policy is AutoShardPolicy.FILE:
-        raise ValueError("AutoShardPolicy.FILE needs a file-based dataset; this one is built "
-                         "in memory: use DATA or AUTO")
     replicas = strategy.num_replicas_in_sync
     replica = strategy.extended.local_replica_ids[0]
+    files = dataset.source.files if isinstance(dataset, BatchedRecords) else None
+    if policy is AutoShardPolicy.AUTO and files is not None and len(files) >= replicas:
+        policy = AutoShardPolicy.FILE
+    if policy is AutoShardPolicy.FILE:
+        if files is None:
+            raise ValueError("AutoShardPolicy.FILE needs a file-based dataset (a reader "
+                             "followed by .batch); this one is built in memory: use DATA or AUTO")
+        if len(files) < replicas:
+            raise ValueError(f"AutoShardPolicy.FILE deals files to ranks, but there are "
+                             f"{len(files)} files for {replicas} ranks: use fewer ranks, more "
+                             f"files, or AutoShardPolicy.DATA")
+        return DistributedDataset(strategy, lambda: _file_shard(dataset, replicas, replica))
+    if files is not None and policy is not AutoShardPolicy.OFF:
+        return DistributedDataset(strategy, lambda: _data_shard_reads(dataset, replicas, replica))
 
     def local_batches():
         for batch in dataset:
@@ -85,6 +133,34 @@ def distribute_dataset(strategy, dataset: Dataset, options=None) -> DistributedD
                 yield _slice(batch, *slices[replica])
 
     return DistributedDataset(strategy, local_batches)
+
+
+def _data_shard_reads(dataset: BatchedRecords, replicas: int, replica: int):
+    """DATA sharding of a reader: read only this replica's rows of every global batch."""
+    for start, stop in dataset.batch_bounds():
+        a, b = rebatch_slices(stop - start, replicas)[replica]
+        yield dataset.source.read_rows(start + a, start + b)
+
+
+def _file_shard(dataset: BatchedRecords, replicas: int, replica: int):
+    """FILE sharding: files replica, replica + N, ... cut into batches of ceil(G / N) rows."""
+    source = dataset.source
+    per_replica = -(-dataset._batch_size // replicas)
+    mine = list(range(replica, len(source.files), replicas))
+    pending = []
+    held = 0
+    for index in mine:
+        for first in range(0, source.counts[index], per_replica):
+            block = source.read_file_rows(index, first, min(first + per_replica,
+                                                            source.counts[index]))
+            pending.append(block)
+            held += len(block)
+            while held >= per_replica:
+                joined = np.concatenate(pending)
+                yield joined[:per_replica]
+                pending, held = [joined[per_replica:]], held - per_replica
+    if held and not dataset._drop_remainder:
+        yield np.concatenate(pending)
 
 
 def distribute_datasets_from_function(strategy, dataset_fn: Callable, options=None):

@@ -215,8 +215,8 @@ def register_input_distribution(from_dataset, from_function) -> None:
 
 
 def _input_distribution(kind: str):
-    if kind not in _INPUT:
-        import mpistrat.data  # noqa: F401  (registers itself; kept out of this layer's imports)
+    if kind not in _INPUT:  # `import mpistrat` always imports mpistrat.data, which registers
+        raise RuntimeError("datasets are provided by mpistrat.data: import mpistrat first")
     return _INPUT[kind]
 
 

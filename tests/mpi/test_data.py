@@ -50,13 +50,28 @@ def test_off_policy_duplicates_and_steps_through_every_slice(strategy, world):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_ranks_stop_together_when_one_runs_dry(strategy, world):
+def test_ranks_step_together_until_the_last_one_runs_dry(strategy, world):
     def dataset_fn(ctx):
         assert ctx.num_input_pipelines == world.size and ctx.input_pipeline_id == world.rank
-        return Dataset.range(3 + ctx.input_pipeline_id).batch(1)
+        return Dataset.from_tensor_slices(np.arange(3 + ctx.input_pipeline_id, dtype=np.int16)
+                                          .reshape(-1, 1)).batch(1)
 
-    steps = [int(b.values[0][0]) for b in strategy.distribute_datasets_from_function(dataset_fn)]
-    assert steps == [0, 1, 2]  # rank 0 has 3 batches: everyone stops after 3
+    steps = [b.values[0] for b in strategy.distribute_datasets_from_function(dataset_fn)]
+    assert len(steps) == 3 + world.size - 1  # the longest rank decides
+    assert [int(s[0, 0]) for s in steps[:3 + world.rank]] == list(range(3 + world.rank))
+    assert all(s.shape == (0, 1) and s.dtype == np.int16 for s in steps[3 + world.rank:])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_without_any_data_learns_the_batch_layout(strategy, world):
+    def dataset_fn(ctx):
+        rows = 2 if ctx.input_pipeline_id == 0 else 0
+        return Dataset.from_tensor_slices({"x": np.ones((rows, 3), np.float32)}).batch(1)
+
+    steps = [b.values[0] for b in strategy.distribute_datasets_from_function(dataset_fn)]
+    assert len(steps) == 2
+    if world.rank:
+        assert all(s["x"].shape == (0, 3) and s["x"].dtype == np.float32 for s in steps)
 
 
 @pytest.mark.mpi(min_size=1)

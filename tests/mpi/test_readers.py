@@ -1,0 +1,117 @@
+"""File readers distributed at 1-4 ranks: FILE and DATA sharding, bytes read, bad input."""
+
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+import mpistrat as ms
+from mpistrat.data import AutoShardPolicy, FixedLengthRecordDataset, NpyDataset, Options
+
+
+@pytest.fixture
+def shared_dir(world, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("data")) if world.rank == 0 else None
+    return world.comm.bcast(path, root=0)
+
+
+def record_files(world, directory, files=4, per_file=5):
+    paths = [os.path.join(directory, f"part-{i}.bin") for i in range(files)]
+    if world.rank == 0:
+        for i, path in enumerate(paths):
+            np.arange(i * per_file, (i + 1) * per_file, dtype=np.int32).tofile(path)
+    world.comm.Barrier()
+    return paths
+
+
+def with_policy(dataset, policy):
+    options = Options()
+    options.experimental_distribute.auto_shard_policy = policy
+    return dataset.with_options(options)
+
+
+def batches(strategy, dataset):
+    return [b.values[0].tolist() for b in strategy.experimental_distribute_dataset(dataset)]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_file_sharding_matches_tensorflow(strategy, world, shared_dir):
+    if world.size != 2:
+        pytest.skip("measured at 2 ranks")
+    reader = FixedLengthRecordDataset(record_files(world, shared_dir), 4, dtype=np.int32)
+    got = batches(strategy, with_policy(reader.batch(6), AutoShardPolicy.FILE))
+    want = {0: [[0, 1, 2], [3, 4, 10], [11, 12, 13], [14]],
+            1: [[5, 6, 7], [8, 9, 15], [16, 17, 18], [19]]}[world.rank]
+    assert got == want
+    assert reader.bytes_read == 10 * 4  # only its own two files
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("batch", [3, 5, 7])
+def test_data_sharding_reads_only_the_rows_a_rank_keeps(strategy, world, shared_dir, batch):
+    reader = FixedLengthRecordDataset(record_files(world, shared_dir, files=3, per_file=7),
+                                      record_bytes=4, dtype=np.int32)
+    got = batches(strategy, with_policy(reader.batch(batch), AutoShardPolicy.DATA))
+    expected = [list(range(start, min(start + batch, 21)))[a:b]
+                for start in range(0, 21, batch)
+                for a, b in [ms.data.rebatch.rebatch_slices(min(batch, 21 - start),
+                                                            world.size)[world.rank]]]
+    assert got == expected
+    assert reader.bytes_read == 4 * sum(len(rows) for rows in expected)
+    assert world.comm.allreduce(reader.bytes_read) == 21 * 4  # every byte read exactly once
+
+
+@pytest.mark.mpi(min_size=1)
+def test_auto_picks_file_when_there_are_enough_files(strategy, world, shared_dir):
+    paths = record_files(world, shared_dir, files=4, per_file=5)
+    reader = FixedLengthRecordDataset(paths, 4, dtype=np.int32)
+    got = batches(strategy, reader.batch(4))
+    everyone = world.comm.allgather(got)
+    assert sorted(x for steps in everyone for b in steps for x in b) == list(range(20))
+    assert len({len(steps) for steps in everyone}) == 1
+    if world.size <= 4:
+        assert reader.bytes_read == 4 * 5 * len(paths[world.rank::world.size])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_file_policy_with_fewer_files_than_ranks_is_an_error(strategy, world, shared_dir):
+    reader = FixedLengthRecordDataset(record_files(world, shared_dir, files=1), 4, dtype=np.int32)
+    with pytest.raises(ValueError, match=f"1 files for {world.size} ranks"):
+        strategy.experimental_distribute_dataset(with_policy(reader.batch(2), AutoShardPolicy.FILE))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_bad_record_files(world, shared_dir):
+    path = os.path.join(shared_dir, "odd.bin")
+    if world.rank == 0:
+        np.arange(5, dtype=np.int16).tofile(path)  # 10 bytes
+    world.comm.Barrier()
+    with pytest.raises(ValueError, match="odd.bin: 10 bytes is not header 0"):
+        FixedLengthRecordDataset([path], record_bytes=4)
+    assert len(list(FixedLengthRecordDataset([path], 4, header_bytes=2))) == 2
+    with pytest.raises(FileNotFoundError, match="missing.bin"):
+        FixedLengthRecordDataset([os.path.join(shared_dir, "missing.bin")], 4)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_npy_and_hdf5_readers(strategy, world, shared_dir):
+    paths = [os.path.join(shared_dir, f"x{i}.npy") for i in range(2)]
+    h5path = os.path.join(shared_dir, "x.h5")
+    if world.rank == 0:
+        for i, path in enumerate(paths):
+            np.save(path, np.arange(12, dtype=np.float32).reshape(6, 2) + 100 * i)
+        with h5py.File(h5path, "w") as f:
+            f["x"] = np.arange(8).reshape(4, 2)
+    world.comm.Barrier()
+    reader = NpyDataset(paths)
+    rows = [r.tolist() for r in reader]
+    assert rows[0] == [0.0, 1.0] and rows[6] == [100.0, 101.0] and len(rows) == 12
+    gathered = strategy.gather(np.concatenate(
+        [b.values[0] for b in strategy.experimental_distribute_dataset(
+            with_policy(reader.batch(4), AutoShardPolicy.DATA))] or [np.empty((0, 2), np.float32)]),
+        axis=0)
+    assert sorted(gathered[:, 0].tolist()) == sorted(r[0] for r in rows)
+    assert [r.tolist() for r in ms.data.HDF5Dataset(h5path, "x")][3] == [6, 7]
+    with pytest.raises(FileNotFoundError):
+        ms.data.HDF5Dataset(h5path, "nope")

@@ -17,19 +17,9 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import emit  # noqa: E402
+from common import drop_caches, emit  # noqa: E402
 
 import mpistrat as ms  # noqa: E402
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as handle:
-            handle.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def timed(comm, fn) -> float:

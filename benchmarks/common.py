@@ -1,6 +1,7 @@
 """Helpers shared by the benchmarks: timing with barriers, and JSON output from rank 0."""
 
 import json
+import os
 import sys
 import time
 from typing import Callable, Dict
@@ -28,3 +29,14 @@ def emit(comm: MPI.Comm, record: Dict) -> None:
     if comm.Get_rank() == 0:
         print(json.dumps(record), flush=True)
         sys.stdout.flush()
+
+
+def drop_caches() -> bool:
+    """Drop the page cache if permitted (root on Linux); return whether it was dropped."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as handle:
+            handle.write("3\n")
+        return True
+    except OSError:
+        return False

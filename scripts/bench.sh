@@ -6,3 +6,6 @@ scripts/mpirun --limit 900 -n 2 .venv/bin/python benchmarks/collectives.py
 for n in 1 2 4; do
     scripts/mpirun --limit 900 -n "$n" .venv/bin/python benchmarks/checkpoint.py --gib 1.0
 done
+for n in 1 2 4; do
+    scripts/mpirun --limit 900 -n "$n" .venv/bin/python benchmarks/input.py --gib 1.0
+done

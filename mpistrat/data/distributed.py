@@ -33,7 +33,7 @@ from mpistrat.distribute.context import InputContext
 from mpistrat.distribute.strategy import register_input_distribution
 from mpistrat.distribute.values import PerReplica
 
-__all__ = ["DistributedDataset", "distribute_dataset", "distribute_datasets_from_function"]
+__all__ = ["DistributedDataset", "DistributedIterator", "distribute_dataset", "distribute_datasets_from_function"]
 
 
 def _rows(batch: Any) -> int:
@@ -52,28 +52,69 @@ class DistributedDataset:
         self._strategy = strategy
         self._make_local = make_local
 
-    def __iter__(self) -> Iterator[PerReplica]:
-        engine = self._strategy.extended.engine
-        replica_ids = self._strategy.extended.local_replica_ids
-        local = iter(self._make_local())
-        template = None  # the last batch seen: the model for 0-row batches
-        while True:
-            element = next(local, _END)
-            if element is not _END:
-                template = element
-            needs = element is _END and template is None
-            flags = engine.all_reduce(np.array([element is not _END, needs], dtype=np.int32),
-                                      ReduceOp.MAX)
-            if not flags[0]:
-                return  # no rank has data left: everyone stops on this step
-            if flags[1]:  # a rank that never had data learns the batch layout from one that did
-                specs = engine.comm.allgather(None if template is None else _spec(template))
-                spec = next(x for x in specs if x is not None)
-                template = template if template is not None else _from_spec(spec)
-            if element is _END:  # others still have data: a 0-row batch, as in TensorFlow
-                element = nest.map_structure(
-                    lambda x: np.empty((0,) + np.shape(x)[1:], np.asarray(x).dtype), template)
-            yield PerReplica((element,), replica_ids)
+    def __iter__(self) -> "DistributedIterator":
+        return DistributedIterator(self._strategy, self._make_local)
+
+
+class DistributedIterator:
+    """Yields ``PerReplica`` batches in lockstep; its position can be checkpointed.
+
+    ``ms.Checkpoint(iterator=it)`` saves the number of steps taken; restoring
+    it into a fresh iterator of the same dataset (same seeds) replays that many
+    steps, so a resumed job neither repeats nor skips an element. Replaying
+    reads the data again: the cost grows with the position.
+    """
+
+    def __init__(self, strategy, make_local: Callable[[], Iterator[Any]]):
+        self._engine = strategy.extended.engine
+        self._replica_ids = strategy.extended.local_replica_ids
+        self._local = iter(make_local())
+        self._template = None  # the last batch seen: the model for 0-row batches
+        self._steps = 0
+        self._replay = 0
+
+    def __iter__(self) -> "DistributedIterator":
+        return self
+
+    def __next__(self) -> PerReplica:
+        while self._replay:
+            self._replay -= 1
+            self._advance()
+        return self._advance()
+
+    def get_next(self) -> PerReplica:
+        return next(self)
+
+    def _advance(self) -> PerReplica:
+        element = next(self._local, _END)
+        if element is not _END:
+            self._template = element
+        needs = element is _END and self._template is None
+        flags = self._engine.all_reduce(
+            np.array([element is not _END, needs], dtype=np.int32), ReduceOp.MAX)
+        if not flags[0]:
+            raise StopIteration  # no rank has data left: everyone stops on this step
+        if flags[1]:  # a rank that never had data learns the batch layout from one that did
+            specs = self._engine.comm.allgather(
+                None if self._template is None else _spec(self._template))
+            if self._template is None:
+                self._template = _from_spec(next(x for x in specs if x is not None))
+        if element is _END:  # others still have data: a 0-row batch, as in TensorFlow
+            element = nest.map_structure(
+                lambda x: np.empty((0,) + np.shape(x)[1:], np.asarray(x).dtype), self._template)
+        self._steps += 1
+        return PerReplica((element,), self._replica_ids)
+
+    # the checkpoint state protocol
+    def _serialize_to_tensors(self):
+        return {"steps": np.array(self._steps + self._replay, dtype=np.int64)}
+
+    def _restore_from_tensors(self, tensors):
+        target = int(tensors["steps"])
+        if target < self._steps:
+            raise ValueError(f"cannot restore a dataset iterator at step {target} into one "
+                             f"already at step {self._steps}: restore into a fresh iterator")
+        self._replay = target - self._steps
 
 
 class _Spec:

@@ -1,4 +1,4 @@
-"""File readers over MPI-IO: fixed-length records, ``.npy`` arrays, HDF5 datasets.
+"""File readers: fixed-length records and ``.npy`` arrays over MPI-IO, HDF5 datasets via h5py.
 
 A reader knows how many rows it holds and reads any row range straight from
 its files (``MPI.File.Read_at`` in one block per file touched), so a
@@ -23,7 +23,7 @@ from mpi4py import MPI
 from mpistrat.data.dataset import Dataset
 from mpistrat.errors import NotFoundError
 
-__all__ = ["RecordFiles", "FixedLengthRecordDataset", "NpyDataset", "HDF5Dataset",
+__all__ = ["RecordFiles", "FixedLengthRecordDataset", "NpyDataset", "HDF5Rows", "HDF5Dataset",
            "BatchedRecords"]
 
 
@@ -170,19 +170,45 @@ def NpyDataset(filenames) -> RecordFiles:
     return RecordFiles(filenames, record, offsets.pop(), 0, dtype, row_shape)
 
 
-def HDF5Dataset(filename: str, dataset: str) -> Dataset:
-    """The rows of one HDF5 dataset, read a block per batch through h5py."""
-    import h5py
-    if not os.path.exists(filename):
-        raise NotFoundError(f"HDF5 file {filename} does not exist")
-    with h5py.File(filename, "r") as f:
-        if dataset not in f:
-            raise NotFoundError(f"{filename} has no dataset {dataset!r}")
-        rows = f[dataset].shape[0]
+class HDF5Rows(RecordFiles):
+    """The rows of one HDF5 dataset per file; rows are read through h5py slices."""
 
-    def rows_iter():
-        with h5py.File(filename, "r") as f:
-            data = f[dataset]
-            for first in range(0, rows, 1 << 14):
-                yield from data[first:first + (1 << 14)]
-    return Dataset(rows_iter)
+    def __init__(self, filenames, dataset: str):
+        import h5py
+        if isinstance(filenames, (str, os.PathLike)):
+            filenames = [filenames]
+        self.files = [os.fspath(f) for f in filenames]
+        self.name = dataset
+        layouts = []
+        for path in self.files:
+            if not os.path.exists(path):
+                raise NotFoundError(f"HDF5 file {path} does not exist")
+            with h5py.File(path, "r") as f:
+                if dataset not in f or not isinstance(f[dataset], h5py.Dataset):
+                    raise NotFoundError(f"{path} has no dataset {dataset!r}")
+                layouts.append((f[dataset].shape, f[dataset].dtype))
+        if len({(shape[1:], dtype) for shape, dtype in layouts}) != 1:
+            raise ValueError(f"HDF5Dataset needs one dtype and row shape in every file, got "
+                             f"{[(p, l[0], str(l[1])) for p, l in zip(self.files, layouts)]}")
+        shape, self.dtype = layouts[0]
+        self.shape = tuple(shape[1:])
+        self.record_bytes = self.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64))
+        self.counts = [l[0][0] for l in layouts]
+        self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
+        self.bytes_read = 0
+        Dataset.__init__(self, lambda: (row for block in self._blocks(range(len(self.files)))
+                                        for row in block))
+
+    def read_file_rows(self, file_index: int, first: int, stop: int) -> np.ndarray:
+        import h5py
+        if stop <= first:
+            return np.empty((0,) + self.shape, dtype=self.dtype)
+        with h5py.File(self.files[file_index], "r") as f:
+            rows = f[self.name][first:stop]
+        self.bytes_read += rows.nbytes
+        return rows
+
+
+def HDF5Dataset(filenames, dataset: str) -> HDF5Rows:
+    """The rows of the HDF5 dataset ``dataset`` in one or more files (sharded like records)."""
+    return HDF5Rows(filenames, dataset)

@@ -113,5 +113,11 @@ def test_npy_and_hdf5_readers(strategy, world, shared_dir):
         axis=0)
     assert sorted(gathered[:, 0].tolist()) == sorted(r[0] for r in rows)
     assert [r.tolist() for r in ms.data.HDF5Dataset(h5path, "x")][3] == [6, 7]
+    h5reader = ms.data.HDF5Dataset(h5path, "x")
+    mine = [b.values[0].tolist() for b in strategy.experimental_distribute_dataset(
+        with_policy(h5reader.batch(4), AutoShardPolicy.DATA))]
+    kept = sum(len(b) for b in mine)
+    assert h5reader.bytes_read == kept * 2 * 8  # only the rows this rank keeps
+    assert world.comm.allreduce(kept) == 4
     with pytest.raises(FileNotFoundError):
         ms.data.HDF5Dataset(h5path, "nope")

@@ -33,7 +33,7 @@ def resolve(save_path: str) -> str:
     hint = ""
     if not re.search(r"-\d+(\.h5)?$", path):
         siblings = sorted(glob.glob(glob.escape(path) + "-*.h5"))
-        hint = (f"; checkpoints written by save() carry a '-N' suffix"
+        hint = ("; checkpoints written by save() carry a '-N' suffix"
                 + (f", e.g. {siblings[-1][:-3]}" if siblings else ""))
     raise NotFoundError(f"no checkpoint at {path} (looked for {data_file(path)}){hint}")
 

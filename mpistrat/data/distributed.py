@@ -100,8 +100,7 @@ class DistributedIterator:
             if self._template is None:
                 self._template = _from_spec(next(x for x in specs if x is not None))
         if element is _END:  # others still have data: a 0-row batch, as in TensorFlow
-            element = nest.map_structure(
-                lambda x: np.empty((0,) + np.shape(x)[1:], np.asarray(x).dtype), self._template)
+            element = _from_spec(_spec(self._template))
         self._steps += 1
         return PerReplica((element,), self._replica_ids)
 

@@ -48,11 +48,15 @@ class RecordFiles(Dataset):
         if self.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64)) != self.record_bytes:
             raise ValueError(f"records of {self.record_bytes} bytes cannot hold {self.dtype} "
                              f"values of shape {self.shape}")
-        self.counts = [self._count(f, footer_bytes) for f in self.files]
+        self._set_rows([self._count(f, footer_bytes) for f in self.files])
+
+    def _set_rows(self, counts: List[int]) -> None:
+        """Rows per file; makes the dataset iterate all rows, file by file."""
+        self.counts = list(counts)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
         self.bytes_read = 0
-        super().__init__(lambda: (row for block in self._blocks(range(len(self.files)))
-                                  for row in block))
+        Dataset.__init__(self, lambda: (row for block in self._blocks(range(len(self.files)))
+                                        for row in block))
 
     def _count(self, path: str, footer_bytes: int) -> int:
         try:
@@ -193,11 +197,7 @@ class HDF5Rows(RecordFiles):
         shape, self.dtype = layouts[0]
         self.shape = tuple(shape[1:])
         self.record_bytes = self.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64))
-        self.counts = [l[0][0] for l in layouts]
-        self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
-        self.bytes_read = 0
-        Dataset.__init__(self, lambda: (row for block in self._blocks(range(len(self.files)))
-                                        for row in block))
+        self._set_rows([layout[0][0] for layout in layouts])
 
     def read_file_rows(self, file_index: int, first: int, stop: int) -> np.ndarray:
         import h5py

@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 import mpistrat as ms
 from mpistrat.collectives import CollectiveEngine
-from mpistrat.collectives.algorithms import allreduce, ring_chunks
+from mpistrat.collectives.algorithms import allreduce
 
 
 def engine_for(world, **options):

@@ -30,7 +30,8 @@ from mpistrat.distribute import (DistributedValues, InputContext, InputOptions, 
                                  Variable, VariableAggregation, VariableSynchronization,
                                  get_replica_context, get_strategy, has_strategy,
                                  in_cross_replica_context)
-from mpistrat import experimental  # noqa: E402
+from mpistrat.distribute.tpu import TPUStrategy  # noqa: E402
+from mpistrat import experimental, tpu  # noqa: E402
 from mpistrat.checkpoint import (Checkpoint, CheckpointManager, CheckpointOptions,  # noqa: E402
                                  latest_checkpoint)
 from mpistrat import train  # noqa: E402
@@ -42,7 +43,7 @@ __all__ = [
     "errors", "nest", "cluster_resolver", "config", "experimental",
     "CommunicationImplementation", "CommunicationOptions", "ReduceOp",
     "DistributedValues", "InputContext", "InputOptions", "Mirrored", "MirroredStrategy",
-    "MultiWorkerMirroredStrategy", "PerReplica", "ReplicaContext", "RunOptions", "Strategy",
+    "MultiWorkerMirroredStrategy", "TPUStrategy", "tpu", "PerReplica", "ReplicaContext", "RunOptions", "Strategy",
     "ValueContext", "Variable", "VariableAggregation", "VariableSynchronization",
     "get_replica_context", "get_strategy", "has_strategy", "in_cross_replica_context",
     "Checkpoint", "CheckpointManager", "CheckpointOptions", "latest_checkpoint", "train", "data",

@@ -12,7 +12,7 @@ import re
 from typing import Dict, List, Optional
 
 __all__ = ["ClusterSpec", "ClusterResolver", "MPIClusterResolver", "SlurmClusterResolver",
-           "expand_hostlist", "expand_tasks_per_node"]
+           "TPUClusterResolver", "expand_hostlist", "expand_tasks_per_node"]
 
 
 class ClusterSpec:
@@ -170,3 +170,45 @@ class SlurmClusterResolver(ClusterResolver):
         for node, count in zip(self.nodes, self.tasks_per_node):
             tasks.extend(f"{node}:{self.port_base + i}" for i in range(count))
         return ClusterSpec({"worker": tasks})
+
+
+class TPUClusterResolver(MPIClusterResolver):
+    """The JAX hosts of this MPI job, one per rank (``tpu=''``: this job's own devices).
+
+    Upstream, ``tpu`` names a TPU to connect to over gRPC; here the hosts are
+    the ranks that ``mpirun``/``srun`` started, so only ``''``, ``'local'`` or
+    ``None`` make sense::
+
+        >>> from mpistrat.cluster_resolver import TPUClusterResolver
+        >>> TPUClusterResolver(tpu='').environment
+        'jax'
+    """
+
+    environment = "jax"
+
+    def __init__(self, tpu=None, zone=None, project=None, job_name="worker",
+                 coordinator_name=None, coordinator_address=None, credentials="default",
+                 service=None, discovery_url=None):
+        if tpu not in (None, "", "local"):
+            raise ValueError(
+                f"TPUClusterResolver(tpu={tpu!r}): mpistrat finds its hosts from MPI, one rank "
+                f"per host; pass tpu='' and launch the job with mpirun or srun")
+        super().__init__()
+        self.tpu = tpu or ""
+        self.task_type = job_name
+        self.coordinator_address = coordinator_address
+
+    def cluster_spec(self) -> ClusterSpec:
+        """``{job_name: ["host:rank", ...]}`` (collective on first call)."""
+        return ClusterSpec({self.task_type: super().cluster_spec().job_tasks("worker")})
+
+    def num_accelerators(self, task_type=None, task_id=None, config_proto=None) -> Dict[str, int]:
+        """Devices per host by platform, e.g. ``{"TPU": 4}`` (starts the JAX bridge)."""
+        from mpistrat.runtime import jax_bridge
+        topology = jax_bridge.topology()
+        return {topology.platform.upper(): topology.num_devices_per_task}
+
+    def get_tpu_system_metadata(self):
+        """The topology of the JAX hosts (starts the JAX bridge)."""
+        from mpistrat.runtime import jax_bridge
+        return jax_bridge.topology()

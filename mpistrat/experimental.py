@@ -7,6 +7,7 @@
 
 from mpistrat.collectives import CommunicationImplementation, CommunicationOptions
 from mpistrat.distribute import MultiWorkerMirroredStrategy, ValueContext
+from mpistrat.distribute.tpu import TPUStrategy
 
-__all__ = ["MultiWorkerMirroredStrategy", "CommunicationOptions", "CommunicationImplementation",
+__all__ = ["MultiWorkerMirroredStrategy", "TPUStrategy", "CommunicationOptions", "CommunicationImplementation",
            "ValueContext"]

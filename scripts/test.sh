@@ -33,8 +33,24 @@ for n in 1 2 3 4; do
     fi
 done
 
+# TPUStrategy through the JAX bridge: every rank a JAX host with 4 virtual CPU devices.
+for n in 1 2; do
+    echo "=== TPUStrategy tests at $n ranks x 4 JAX CPU devices"
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+    scripts/mpirun --limit 600 -n "$n" "$PY" scripts/rank_pytest.py "$logs/tpu$n" \
+        -q --color=no -p no:cacheprovider --timeout=180 --timeout-method=thread tests/tpu 2>&1 \
+        | grep -av '^\[Gloo\]' | tee "$logs/tpu$n.rank0.log"
+    if [ "${PIPESTATUS[0]}" -ne 0 ]; then
+        failed_runs="$failed_runs tpu$n"
+        for f in "$logs"/tpu$n.rank*.log; do
+            [ "$f" = "$logs/tpu$n.rank0.log" ] && continue
+            echo "--- $f (last 60 lines)"; tail -n 60 "$f"
+        done
+    fi
+done
+
 passed=0; failed=0; skipped=0
-for f in "$logs/single.log" "$logs"/np?.rank0.log; do
+for f in "$logs/single.log" "$logs"/np?.rank0.log "$logs"/tpu?.rank0.log; do
     line=$(summary "$f")
     p=$(grep -oE "[0-9]+ passed" <<<"$line" | grep -oE "[0-9]+" || true)
     x=$(grep -oE "[0-9]+ (failed|errors?)" <<<"$line" | awk '{s += $1} END {print s + 0}')

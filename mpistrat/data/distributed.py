@@ -17,6 +17,13 @@ has data: all ranks stop on the same step, and a rank that ran dry meanwhile
 yields 0-row batches of the right dtype and inner shape (as TensorFlow does),
 so no rank's data is dropped and none waits alone.
 Iterating yields ``PerReplica`` values for ``strategy.run``.
+
+With several replicas per rank (``TPUStrategy``: one per JAX device) the rank
+is the unit of sharding above and its batch is cut into equal per-device
+pieces. Such strategies need static shapes, as TPUs do: batches must come
+from ``.batch(G, drop_remainder=True)`` with ``G`` divisible by
+``num_replicas_in_sync`` (a clear ``ValueError`` otherwise), and the ranks
+stop together on the first step where any rank has no full batch left.
 """
 
 from typing import Any, Callable, Iterator
@@ -50,7 +57,7 @@ class DistributedDataset:
 
     def __init__(self, strategy, make_local: Callable[[], Iterator[Any]]):
         self._strategy = strategy
-        self._make_local = make_local
+        self._make_local = make_local  # yields tuples: one component per local replica
 
     def __iter__(self) -> "DistributedIterator":
         return DistributedIterator(self._strategy, self._make_local)
@@ -68,6 +75,7 @@ class DistributedIterator:
     def __init__(self, strategy, make_local: Callable[[], Iterator[Any]]):
         self._engine = strategy.extended.engine
         self._replica_ids = strategy.extended.local_replica_ids
+        self._static = strategy.extended.experimental_require_static_shapes
         self._local = iter(make_local())
         self._template = None  # the last batch seen: the model for 0-row batches
         self._steps = 0
@@ -87,6 +95,13 @@ class DistributedIterator:
 
     def _advance(self) -> PerReplica:
         element = next(self._local, _END)
+        if self._static:  # full batches only: stop when any rank has none left
+            more = self._engine.all_reduce(np.array([element is not _END], np.int32),
+                                           ReduceOp.MIN)
+            if not more[0]:
+                raise StopIteration
+            self._steps += 1
+            return _regroup(element, self._replica_ids)
         if element is not _END:
             self._template = element
         needs = element is _END and self._template is None
@@ -102,7 +117,7 @@ class DistributedIterator:
         if element is _END:  # others still have data: a 0-row batch, as in TensorFlow
             element = _from_spec(_spec(self._template))
         self._steps += 1
-        return PerReplica((element,), self._replica_ids)
+        return _regroup(element, self._replica_ids)
 
     # the checkpoint state protocol
     def _serialize_to_tensors(self):
@@ -116,6 +131,16 @@ class DistributedIterator:
         self._replay = target - self._steps
 
 
+def _regroup(components: tuple, replica_ids) -> Any:
+    """One component per local replica -> the batch's structure with ``PerReplica`` leaves
+    (a ``(features, labels)`` batch unpacks into two ``PerReplica``, as in TensorFlow)."""
+    if not isinstance(components[0], (dict, list, tuple)):
+        return PerReplica(components, replica_ids)
+    columns = [nest.flatten(c) for c in components]
+    return nest.pack_sequence_as(components[0], [PerReplica(parts, replica_ids)
+                                                 for parts in zip(*columns)])
+
+
 class _Spec:
     """The inner shape and dtype of one component (a leaf for ``nest``; picklable)."""
 
@@ -126,12 +151,12 @@ class _Spec:
         return np.empty((0,) + tuple(self.inner), np.dtype(self.dtype))
 
 
-def _spec(batch):
-    return nest.map_structure(_Spec, batch)
+def _spec(components):
+    return tuple(nest.map_structure(_Spec, c) for c in components)
 
 
 def _from_spec(spec):
-    return nest.map_structure(lambda s: s.empty(), spec)
+    return tuple(nest.map_structure(lambda s: s.empty(), c) for c in spec)
 
 
 _END = object()
@@ -146,8 +171,10 @@ def distribute_dataset(strategy, dataset: Dataset, options=None) -> DistributedD
         raise ValueError("experimental_distribute_dataset needs a batched dataset: call "
                          ".batch(global_batch_size) before distributing it")
     policy = dataset.options().experimental_distribute.auto_shard_policy
-    replicas = strategy.num_replicas_in_sync
-    replica = strategy.extended.local_replica_ids[0]
+    replicas, replica = strategy.extended.engine.size, strategy.extended.engine.rank  # ranks
+    pieces = len(strategy.extended.local_replica_ids)
+    if strategy.extended.experimental_require_static_shapes:
+        _check_static(dataset, strategy.num_replicas_in_sync)
     files = dataset.source.files if isinstance(dataset, BatchedRecords) else None
     if policy is AutoShardPolicy.AUTO and files is not None and len(files) >= replicas:
         policy = AutoShardPolicy.FILE
@@ -159,9 +186,10 @@ def distribute_dataset(strategy, dataset: Dataset, options=None) -> DistributedD
             raise ValueError(f"AutoShardPolicy.FILE deals files to ranks, but there are "
                              f"{len(files)} files for {replicas} ranks: use fewer ranks, more "
                              f"files, or AutoShardPolicy.DATA")
-        return DistributedDataset(strategy, lambda: _file_shard(dataset, replicas, replica))
+        return _distributed(strategy, pieces, lambda: _file_shard(dataset, replicas, replica))
     if files is not None and policy is not AutoShardPolicy.OFF:
-        return DistributedDataset(strategy, lambda: _data_shard_reads(dataset, replicas, replica))
+        return _distributed(strategy, pieces,
+                            lambda: _data_shard_reads(dataset, replicas, replica))
 
     def local_batches():
         for batch in dataset:
@@ -172,7 +200,32 @@ def distribute_dataset(strategy, dataset: Dataset, options=None) -> DistributedD
             else:                            # DATA / AUTO: this replica's slice
                 yield _slice(batch, *slices[replica])
 
-    return DistributedDataset(strategy, local_batches)
+    return _distributed(strategy, pieces, local_batches)
+
+
+def _check_static(dataset: Dataset, replicas: int) -> None:
+    """Static shapes (TPUStrategy): full batches only, evenly split over the replicas."""
+    if not dataset._drop_remainder:
+        raise ValueError(
+            "this strategy needs static shapes (as TPUs do), but the dataset's last batch can "
+            "be short: batch it with .batch(global_batch_size, drop_remainder=True)")
+    if dataset._batch_size % replicas:
+        raise ValueError(
+            f"the global batch size ({dataset._batch_size}) is not divisible by "
+            f"num_replicas_in_sync ({replicas}); static shapes need equal per-replica batches")
+
+
+def _distributed(strategy, pieces: int, make_batches) -> DistributedDataset:
+    """Cut each rank batch into ``pieces`` equal per-replica components."""
+    if pieces == 1:
+        return DistributedDataset(strategy, lambda: ((b,) for b in make_batches()))
+
+    def split():
+        for batch in make_batches():
+            rows = _rows(batch) // pieces
+            yield tuple(_slice(batch, i * rows, (i + 1) * rows) for i in range(pieces))
+
+    return DistributedDataset(strategy, split)
 
 
 def _data_shard_reads(dataset: BatchedRecords, replicas: int, replica: int):
@@ -205,11 +258,26 @@ def _file_shard(dataset: BatchedRecords, replicas: int, replica: int):
 
 def distribute_datasets_from_function(strategy, dataset_fn: Callable, options=None):
     """``strategy.distribute_datasets_from_function``: ``dataset_fn(InputContext)`` per rank."""
-    context = InputContext(num_input_pipelines=strategy.num_replicas_in_sync,
-                           input_pipeline_id=strategy.extended.local_replica_ids[0],
+    engine = strategy.extended.engine
+    context = InputContext(num_input_pipelines=engine.size, input_pipeline_id=engine.rank,
                            num_replicas_in_sync=strategy.num_replicas_in_sync)
     dataset = dataset_fn(context)
-    return DistributedDataset(strategy, lambda: iter(dataset))
+    pieces = len(strategy.extended.local_replica_ids)
+    if (strategy.extended.experimental_require_static_shapes and isinstance(dataset, Dataset)
+            and dataset._batch_size is not None and not dataset._drop_remainder):
+        raise ValueError(
+            "this strategy needs static shapes (as TPUs do), but the dataset_fn's dataset can "
+            "end with a short batch: use .batch(per_replica_batch_size, drop_remainder=True)")
+
+    def groups():  # each local replica takes one element per step; a partial group ends it
+        iterator = iter(dataset)
+        while True:
+            group = tuple(next(iterator, _END) for _ in range(pieces))
+            if any(x is _END for x in group):
+                return
+            yield group
+
+    return DistributedDataset(strategy, groups)
 
 
 register_input_distribution(distribute_dataset, distribute_datasets_from_function)

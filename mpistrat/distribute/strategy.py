@@ -139,6 +139,8 @@ class Strategy:
         """
         self._require_cross_replica("reduce")
         op = ReduceOp.from_any(reduce_op)
+        if len(self._extended.local_replica_ids) > 1:
+            return self._reduce_local_replicas(op, value, axis)
         local = _local(value)
         engine = self._extended.engine
         if axis is None:
@@ -163,8 +165,48 @@ class Strategy:
         Shapes may differ along ``axis`` only; scalars raise ``ValueError``.
         """
         self._require_cross_replica("gather")
-        local = _local(value)
+        if len(self._extended.local_replica_ids) > 1:  # this rank's replicas, in order
+            components = self.experimental_local_results(value)
+            leaves = [[np.asarray(x) for x in nest.flatten(c)] for c in components]
+            if any(a.ndim == 0 for a in leaves[0]) or any(
+                    not -a.ndim <= axis < a.ndim for a in leaves[0]):
+                return self._extended.engine.all_gather(_local(value), axis)  # raises together
+            local = nest.pack_sequence_as(components[0], [
+                np.concatenate(parts, axis=axis) for parts in zip(*leaves)])
+        else:
+            local = _local(value)
         return self._extended.engine.all_gather(local, axis)
+
+    def _reduce_local_replicas(self, op: ReduceOp, value: Any, axis: Optional[int]):
+        """``reduce`` when this rank runs several replicas: combine them here, then across ranks."""
+        components = self.experimental_local_results(value)
+        leaves = list(zip(*[[np.asarray(x) for x in nest.flatten(c)] for c in components]))
+        engine = self._extended.engine
+        ids = self._extended.local_replica_ids
+        if axis is not None:
+            bad = [a.shape for parts in leaves for a in parts if not -a.ndim <= axis < a.ndim]
+            first = [parts[0] for parts in leaves]
+            engine.agree(f"reduce axis={axis}", tuple(
+                (a.dtype.str + (" (axis out of range)" if bad else ""),
+                 tuple(-1 if d == axis % max(a.ndim, 1) else n for d, n in enumerate(a.shape)))
+                for a in first))
+            if bad:
+                raise ValueError(f"reduce: axis {axis} is out of range for value(s) of shape "
+                                 f"{', '.join(map(str, bad))}")
+            partials = [_combine_local(op, [_partial(op, a, axis) for a in parts], ids)
+                        for parts in leaves]
+            if op is ReduceOp.MEAN:
+                rows = np.array([sum(a.shape[axis] for a in parts) for parts in leaves], np.int64)
+                sums, totals = engine.all_reduce((partials, rows), ReduceOp.SUM)
+                results = [s / t for s, t in zip(sums, totals)]
+            else:
+                results = engine.all_reduce(partials, op)
+        else:
+            combined = [_combine_local(op, list(parts), ids) for parts in leaves]
+            results = engine.all_reduce(combined, ReduceOp.SUM if op is ReduceOp.MEAN else op)
+            if op is ReduceOp.MEAN:
+                results = [_mean(r, self.num_replicas_in_sync) for r in results]
+        return scalars_to_numpy(nest.pack_sequence_as(components[0], results))
 
     # -- distributed values --------------------------------------------------
     def experimental_local_results(self, value: Any) -> tuple:
@@ -233,6 +275,27 @@ def _partial(op: ReduceOp, array: np.ndarray, axis: int) -> np.ndarray:
         fill = getattr(info, _IDENTITY[op])
         return np.full(np.delete(array.shape, axis), fill, dtype=array.dtype)
     return fn(array, axis=axis)
+
+
+def _combine_local(op: ReduceOp, parts, replica_ids) -> np.ndarray:
+    """Combine one tensor's values of this rank's replicas (equal shapes required)."""
+    shapes = {a.shape for a in parts}
+    if len(shapes) > 1:
+        described = "; ".join(f"replica {r}: {list(a.shape)}" for r, a in zip(replica_ids, parts))
+        raise ValueError(f"reduce: the replicas of this rank have values of different shapes "
+                         f"({described}); use axis=0 to reduce batches of different sizes")
+    stacked = np.stack(parts)
+    if op in (ReduceOp.SUM, ReduceOp.MEAN):
+        return np.sum(stacked, axis=0, dtype=stacked.dtype)
+    return (np.min if op is ReduceOp.MIN else np.max)(stacked, axis=0)
+
+
+def _mean(total: np.ndarray, count: int) -> np.ndarray:
+    """MEAN's division (integers truncate toward zero, as TensorFlow's ``Div``)."""
+    total = np.asarray(total)
+    if total.dtype.kind in "iu":
+        return (np.sign(total) * (np.abs(total) // count)).astype(total.dtype)
+    return total / count
 
 
 def _reduce_along_axis(engine: CollectiveEngine, op: ReduceOp, arrays, axis: int):

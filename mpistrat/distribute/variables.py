@@ -47,8 +47,16 @@ _REDUCE = {VariableAggregation.SUM: ReduceOp.SUM, VariableAggregation.MEAN: Redu
 class Variable(NDArrayOperatorsMixin):
     """A named, mutable array; NumPy operators read its current value.
 
-    ``initial_value`` may be a value or a callable returning one.
+    ``initial_value`` may be a value or a callable returning one. Inside the
+    scope of a strategy whose ``extended.variable_class`` is set (``TPUStrategy``)
+    that class is made instead.
     """
+
+    def __new__(cls, *args, **kwargs):
+        entry = current_strategy_entry()
+        if cls is Variable and entry is not None:
+            cls = getattr(entry.strategy.extended, "variable_class", None) or cls
+        return super().__new__(cls)
 
     def __init__(self, initial_value: Any, name: Optional[str] = None,
                  synchronization=VariableSynchronization.AUTO,

@@ -68,10 +68,13 @@ def test_a_rank_without_any_data_learns_the_batch_layout(strategy, world):
         rows = 2 if ctx.input_pipeline_id == 0 else 0
         return Dataset.from_tensor_slices({"x": np.ones((rows, 3), np.float32)}).batch(1)
 
-    steps = [b.values[0] for b in strategy.distribute_datasets_from_function(dataset_fn)]
-    assert len(steps) == 2
+    batches = list(strategy.distribute_datasets_from_function(dataset_fn))
+    assert len(batches) == 2
+    # a dict batch comes back as a dict of PerReplica values, as in TensorFlow
+    assert all(isinstance(b, dict) and isinstance(b["x"], ms.PerReplica) for b in batches)
+    steps = [b["x"].values[0] for b in batches]
     if world.rank:
-        assert all(s["x"].shape == (0, 3) and s["x"].dtype == np.float32 for s in steps)
+        assert all(s.shape == (0, 3) and s.dtype == np.float32 for s in steps)
 
 
 @pytest.mark.mpi(min_size=1)

@@ -1,0 +1,170 @@
+"""``TPUStrategy.run``: ``fn`` compiled once per input signature, run on every replica.
+
+A step is ``jit(shard_map(body))`` over the one-axis replica mesh. The
+arguments of ``run`` are sorted into three groups:
+
+* *per-replica* (``PerReplica`` / ``Mirrored``): the local components become
+  one global array ``(replicas, *shape)``, split over the mesh, so each
+  replica sees its own component;
+* *replicated* (arrays and numbers): every replica sees the same value;
+* *static* (anything else, and ``ms.Variable`` objects): passed to ``fn`` as
+  they are, part of the cache key.
+
+Every variable of the strategy enters the step too; the ones ``fn`` writes
+come back out and replace the stored arrays. Outputs are ``PerReplica``
+values over the local devices. Before running, the ranks agree on the
+signature (one small MPI all-reduce), so a rank with other shapes gets an
+error naming it instead of a hang in XLA's collectives; a step that fails to
+trace on any rank raises on every rank.
+"""
+
+from typing import Any, Callable, Dict, List, Tuple
+
+import numpy as np
+
+from mpistrat.collectives.validation import format_ranks
+from mpistrat.distribute.context import entered
+from mpistrat.distribute.tpu_variables import (TraceFrame, frame_active, store_written,
+                                               variable_values)
+from mpistrat.distribute.values import DistributedValues, PerReplica
+from mpistrat.distribute.variables import Variable
+from mpistrat.errors import InvalidArgumentError
+from mpistrat.runtime import jax_bridge
+
+__all__ = ["StepCache"]
+
+_NUMBERS = (bool, int, float, complex, np.generic, np.ndarray)
+
+
+def _is_leaf(x: Any) -> bool:
+    return isinstance(x, (DistributedValues, Variable))
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, _NUMBERS) or type(x).__module__.startswith(("jax", "jaxlib"))
+
+
+def _static_key(x: Any) -> Any:
+    try:
+        hash(x)
+        return ("value", type(x).__qualname__, x)
+    except TypeError:
+        return ("id", id(x))
+
+
+def _component_spec(value: DistributedValues) -> Tuple[str, Tuple[int, ...]]:
+    specs = {(np.dtype(getattr(c, "dtype", None) or np.asarray(c).dtype).str, tuple(np.shape(c)))
+             for c in value.values}
+    if len(specs) > 1:
+        described = "; ".join(f"replica {rid}: {np.asarray(c).dtype}{list(np.shape(c))}"
+                              for rid, c in zip(value.replica_ids, value.values))
+        raise InvalidArgumentError(
+            f"TPUStrategy.run needs the same shape and dtype on every replica (static shapes, "
+            f"as on TPUs), but this rank's components differ: {described}")
+    return specs.pop()
+
+
+class _Step:
+    """One compiled program and what its trace learned (output structure, writes)."""
+
+    def __init__(self):
+        self.compiled = None
+        self.out_tree = None
+        self.written: List[int] = []
+
+
+class StepCache:
+    """Compiled steps of one strategy, keyed by function and input signature."""
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self._steps: Dict[tuple, _Step] = {}
+
+    def run(self, fn: Callable, args, kwargs) -> Any:
+        import jax
+        strategy = self._strategy
+        extended = strategy.extended
+        leaves, treedef = jax.tree_util.tree_flatten((list(args), kwargs), is_leaf=_is_leaf)
+        kinds, per_replica, replicated, statics, signature = [], [], [], [], []
+        for leaf in leaves:
+            if isinstance(leaf, DistributedValues):
+                dtype, shape = _component_spec(leaf)
+                kinds.append("p")
+                per_replica.append(leaf)
+                signature.append(("per-replica " + dtype, shape))
+            elif _is_array(leaf):
+                array = leaf if hasattr(leaf, "dtype") else np.asarray(leaf)
+                kinds.append("r")
+                replicated.append(leaf)
+                weak = "" if hasattr(leaf, "dtype") else " weak"
+                signature.append((f"replicated {np.dtype(array.dtype).str}{weak}",
+                                  tuple(np.shape(array))))
+            else:
+                kinds.append("s")
+                statics.append(leaf)
+                signature.append(("static " + type(leaf).__qualname__, ()))
+        variables = extended.live_variables()
+        for v in variables:
+            signature.append((f"variable {v.name} {v.dtype.str}", tuple(v.shape)))
+        key = (fn, treedef, tuple(signature), tuple(_static_key(s) for s in statics),
+               tuple(id(v) for v in variables))
+        what = f"TPUStrategy.run({getattr(fn, '__qualname__', type(fn).__name__)})"
+        extended.engine.agree(what, tuple(signature))
+
+        inputs = ([jax_bridge.global_from_local(list(v.values)) for v in per_replica],
+                  replicated, variable_values(variables))
+        step = self._steps.get(key)
+        if step is None:
+            step = self._compile(fn, treedef, kinds, statics, variables, inputs, what)
+            self._steps[key] = step
+        outputs, written = step.compiled(*inputs)
+        jax.block_until_ready((outputs, written))
+        store_written(variables, step.written, written)
+        ids = extended.local_replica_ids
+        results = [PerReplica(jax_bridge.local_from_global(o), ids) for o in outputs]
+        return jax.tree_util.tree_unflatten(step.out_tree, results)
+
+    def _compile(self, fn, treedef, kinds, statics, variables, inputs, what) -> _Step:
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import PartitionSpec
+        strategy = self._strategy
+        step = _Step()
+
+        def body(per_replica, replicated, values):
+            it_p, it_r, it_s = iter(per_replica), iter(replicated), iter(statics)
+            leaves = [next(it_p)[0] if k == "p" else next(it_r) if k == "r" else next(it_s)
+                      for k in kinds]
+            args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+            frame = TraceFrame(variables, [v[0] for v in values])
+            with frame_active(frame), entered(strategy, strategy.extended.replica_context()):
+                result = fn(*args, **kwargs)
+                out_leaves, step.out_tree = jax.tree_util.tree_flatten(result, is_leaf=_is_leaf)
+                out_leaves = [x.read_value() if isinstance(x, Variable) else x
+                              for x in out_leaves]  # a returned variable: its value
+            step.written = list(frame.written)
+            return ([jnp.expand_dims(jnp.asarray(x), 0) for x in out_leaves],
+                    [jnp.expand_dims(frame.values[i], 0) for i in frame.written])
+
+        axis = PartitionSpec(jax_bridge.AXIS)
+        mapped = jax.shard_map(body, mesh=jax_bridge.mesh(), check_vma=False,
+                               in_specs=(axis, PartitionSpec(), axis), out_specs=axis)
+        error = None
+        try:
+            step.compiled = jax.jit(mapped).lower(*inputs).compile()
+        except Exception as err:  # noqa: BLE001 -- every rank must learn of it
+            error = err
+        self._raise_if_any_failed(error, what)
+        return step
+
+    def _raise_if_any_failed(self, error, what: str) -> None:
+        engine = self._strategy.extended.engine
+        texts = engine.comm.allgather(None if error is None else f"{type(error).__name__}: "
+                                      f"{error}")
+        failed = [r for r, t in enumerate(texts) if t]
+        if not failed:
+            return
+        if error is not None:
+            raise error
+        raise InvalidArgumentError(f"{what}: tracing failed on {format_ranks(failed)}: "
+                                   f"{texts[failed[0]]}")

@@ -16,7 +16,7 @@ when ``MPISTRAT_TRACE=1``, runs, and rebuilds the structure::
 import logging
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -26,7 +26,7 @@ from mpistrat.collectives.backends import select_backend
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.collectives.reduce_op import ReduceOp
-from mpistrat.collectives.validation import agree, validation_enabled
+from mpistrat.collectives.validation import agree, start_agree, validation_enabled
 from mpistrat.errors import AbortedError, DeadlineExceededError, InvalidArgumentError
 from mpistrat.runtime.devices import Capabilities, array_kind, capabilities
 
@@ -199,6 +199,22 @@ class CollectiveEngine:
         """
         self._begin(what, signature, options)
 
+    def start_agree(self, what: str, signature: tuple) -> Callable[[], None]:
+        """``agree`` without waiting: returns the function that waits and raises.
+
+        The probe travels while the caller prepares its work (``TPUStrategy.run``
+        assembles its inputs meanwhile). A no-op when validation is off.
+        """
+        if self._broken:
+            raise AbortedError(f"{what} refused on rank {self.rank}: {self._broken}")
+        if not self.validate or self.size == 1:
+            return _nothing
+        self._calls += 1
+        timeout = self.options.timeout_seconds
+        deadline = Deadline.after(timeout if timeout is not None else self.default_timeout)
+        finish = start_agree(self.comm, what, signature, deadline)
+        return lambda: self._guard(finish)
+
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Broadcast small picklable metadata (never array data)."""
         if self._broken:
@@ -209,6 +225,10 @@ class CollectiveEngine:
         """Wait until every rank has arrived (honours the timeout)."""
         _, deadline = self._begin("barrier", (), options)
         self._guard(wait_all, [self.comm.Ibarrier()], deadline, "barrier")
+
+
+def _nothing() -> None:
+    return None
 
 
 def _axis_or_none(axis: int, ndim: int) -> Optional[int]:

@@ -17,7 +17,7 @@ build an error that names the ranks and what differs. The cost is one
 import hashlib
 from array import array
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -25,7 +25,7 @@ from mpi4py import MPI
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.errors import InvalidArgumentError
 
-__all__ = ["Signature", "validation_enabled", "agree", "describe_mismatch", "format_ranks"]
+__all__ = ["Signature", "validation_enabled", "agree", "start_agree", "describe_mismatch", "format_ranks"]
 
 Signature = Tuple[Tuple[str, Tuple[int, ...]], ...]
 _HASHES: Dict[tuple, int] = {}
@@ -103,17 +103,31 @@ def agree(comm: MPI.Comm, what: str, signature: Signature,
     whether the collective that follows is timed: timed collectives use the
     non-blocking calls, untimed ones the blocking calls, so ranks must agree.
     """
+    start_agree(comm, what, signature, deadline)()
+
+
+def start_agree(comm: MPI.Comm, what: str, signature: Signature,
+                deadline: Optional[Deadline]) -> Callable[[], None]:
+    """``agree`` in two halves: post the probe now, and return the function that
+    waits for it (and raises on a mismatch), so the caller can work meanwhile."""
     timed = deadline is not None
     h = _hash((what, signature, timed))
     probe = array("q", (h, -h))
     result = array("q", (0, 0))
     request = comm.Iallreduce(probe, result, MPI.MAX)
-    if deadline is None:
-        request.Wait()
-    else:
-        wait_all([request], deadline, f"{what} (validation)")
-    if result[0] == -result[1]:  # max(h) == min(h): every rank passed the same
-        return
+
+    def finish(buffers=(probe, result)) -> None:  # the buffers live until the wait ends
+        if deadline is None:
+            request.Wait()
+        else:
+            wait_all([request], deadline, f"{what} (validation)")
+        if result[0] != -result[1]:  # max(h) == min(h) would mean every rank passed the same
+            _raise_mismatch(comm, what, signature, timed)
+
+    return finish
+
+
+def _raise_mismatch(comm: MPI.Comm, what: str, signature: Signature, timed: bool) -> None:
     everyone = comm.allgather((what, signature, timed))  # small metadata, error path only
     kinds = {w for w, _, _ in everyone}
     if len(kinds) > 1:

@@ -53,14 +53,17 @@ def _static_key(x: Any) -> Any:
 
 
 def _component_spec(value: DistributedValues) -> Tuple[str, Tuple[int, ...]]:
-    specs = {(np.dtype(getattr(c, "dtype", None) or np.asarray(c).dtype).str, tuple(np.shape(c)))
-             for c in value.values}
-    if len(specs) > 1:
+    first = value.values[0]
+    dtype, shape = getattr(first, "dtype", None), getattr(first, "shape", None)
+    if dtype is not None and shape is not None and all(
+            getattr(c, "dtype", None) == dtype and getattr(c, "shape", None) == shape
+            for c in value.values[1:]):
+        return np.dtype(dtype).str, tuple(shape)  # the common case: arrays alike
+    specs = {(np.asarray(c).dtype.str, tuple(np.shape(c))) for c in value.values}
+    if len(specs) > 1:  # reported after the ranks agree, so that no rank leaves alone
         described = "; ".join(f"replica {rid}: {np.asarray(c).dtype}{list(np.shape(c))}"
                               for rid, c in zip(value.replica_ids, value.values))
-        raise InvalidArgumentError(
-            f"TPUStrategy.run needs the same shape and dtype on every replica (static shapes, "
-            f"as on TPUs), but this rank's components differ: {described}")
+        return "uneven", (described,)
     return specs.pop()
 
 
@@ -68,8 +71,9 @@ class _Step:
     """One compiled program and what its trace learned (output structure, writes)."""
 
     def __init__(self):
-        self.compiled = None
+        self.program = None
         self.out_tree = None
+        self.scalar_outputs: List[bool] = []
         self.written: List[int] = []
 
 
@@ -86,12 +90,16 @@ class StepCache:
         extended = strategy.extended
         leaves, treedef = jax.tree_util.tree_flatten((list(args), kwargs), is_leaf=_is_leaf)
         kinds, per_replica, replicated, statics, signature = [], [], [], [], []
+        uneven = None
         for leaf in leaves:
             if isinstance(leaf, DistributedValues):
                 dtype, shape = _component_spec(leaf)
                 kinds.append("p")
                 per_replica.append(leaf)
-                signature.append(("per-replica " + dtype, shape))
+                signature.append((dtype, ()) if dtype == "uneven" else
+                                 ("per-replica " + dtype, shape))
+                if dtype == "uneven":
+                    uneven = shape[0]
             elif _is_array(leaf):
                 array = leaf if hasattr(leaf, "dtype") else np.asarray(leaf)
                 kinds.append("r")
@@ -104,27 +112,33 @@ class StepCache:
                 statics.append(leaf)
                 signature.append(("static " + type(leaf).__qualname__, ()))
         variables = extended.live_variables()
-        for v in variables:
-            signature.append((f"variable {v.name} {v.dtype.str}", tuple(v.shape)))
+        signature.extend(v.signature for v in variables)
         key = (fn, treedef, tuple(signature), tuple(_static_key(s) for s in statics),
                tuple(id(v) for v in variables))
         what = f"TPUStrategy.run({getattr(fn, '__qualname__', type(fn).__name__)})"
-        extended.engine.agree(what, tuple(signature))
-
+        agreed = extended.engine.start_agree(what, tuple(signature))
+        if uneven:
+            agreed()  # every rank has uneven components too, or a mismatch error names ranks
+            raise InvalidArgumentError(
+                f"{what} needs the same shape and dtype on every replica (static shapes, as "
+                f"on TPUs), but this rank's components differ: {uneven}")
         inputs = ([jax_bridge.global_from_local(list(v.values)) for v in per_replica],
-                  replicated, variable_values(variables))
+                  replicated, variable_values(variables))  # while the probe travels
+        agreed()  # raises on every rank if any rank passed other shapes
         step = self._steps.get(key)
         if step is None:
-            step = self._compile(fn, treedef, kinds, statics, variables, inputs, what)
+            scalars = [not shape for (_, shape), k in zip(signature, kinds) if k == "p"]
+            step = self._trace(fn, treedef, kinds, scalars, statics, variables, inputs, what)
             self._steps[key] = step
-        outputs, written = step.compiled(*inputs)
-        jax.block_until_ready((outputs, written))
+        outputs, written = step.program(*inputs)
+        jax.block_until_ready((outputs, written))  # many steps in flight can stall gloo
         store_written(variables, step.written, written)
         ids = extended.local_replica_ids
-        results = [PerReplica(jax_bridge.local_from_global(o), ids) for o in outputs]
+        results = [PerReplica(jax_bridge.local_from_global(o, scalar), ids)
+                   for o, scalar in zip(outputs, step.scalar_outputs)]
         return jax.tree_util.tree_unflatten(step.out_tree, results)
 
-    def _compile(self, fn, treedef, kinds, statics, variables, inputs, what) -> _Step:
+    def _trace(self, fn, treedef, kinds, scalars, statics, variables, inputs, what) -> _Step:
         import jax
         import jax.numpy as jnp
         from jax.sharding import PartitionSpec
@@ -132,29 +146,33 @@ class StepCache:
         step = _Step()
 
         def body(per_replica, replicated, values):
-            it_p, it_r, it_s = iter(per_replica), iter(replicated), iter(statics)
-            leaves = [next(it_p)[0] if k == "p" else next(it_r) if k == "r" else next(it_s)
+            blocks = iter([b[0] if scalar else b for b, scalar in zip(per_replica, scalars)])
+            it_r, it_s = iter(replicated), iter(statics)
+            leaves = [next(blocks) if k == "p" else next(it_r) if k == "r" else next(it_s)
                       for k in kinds]
             args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-            frame = TraceFrame(variables, [v[0] for v in values])
+            frame = TraceFrame(variables, [v.from_block(b) for v, b in zip(variables, values)])
             with frame_active(frame), entered(strategy, strategy.extended.replica_context()):
                 result = fn(*args, **kwargs)
                 out_leaves, step.out_tree = jax.tree_util.tree_flatten(result, is_leaf=_is_leaf)
                 out_leaves = [x.read_value() if isinstance(x, Variable) else x
                               for x in out_leaves]  # a returned variable: its value
             step.written = list(frame.written)
-            return ([jnp.expand_dims(jnp.asarray(x), 0) for x in out_leaves],
-                    [jnp.expand_dims(frame.values[i], 0) for i in frame.written])
+            out_leaves = [jnp.asarray(x) for x in out_leaves]
+            step.scalar_outputs = [x.ndim == 0 for x in out_leaves]
+            return ([x[None] if x.ndim == 0 else x for x in out_leaves],
+                    [variables[i].to_block(frame.values[i]) for i in frame.written])
 
         axis = PartitionSpec(jax_bridge.AXIS)
         mapped = jax.shard_map(body, mesh=jax_bridge.mesh(), check_vma=False,
                                in_specs=(axis, PartitionSpec(), axis), out_specs=axis)
         error = None
+        step.program = jax.jit(mapped)
         try:
-            step.compiled = jax.jit(mapped).lower(*inputs).compile()
+            step.program.lower(*inputs)  # traces now, so every rank learns of a failure;
         except Exception as err:  # noqa: BLE001 -- every rank must learn of it
             error = err
-        self._raise_if_any_failed(error, what)
+        self._raise_if_any_failed(error, what)  # the call below reuses this trace
         return step
 
     def _raise_if_any_failed(self, error, what: str) -> None:

@@ -104,7 +104,7 @@ class TPUVariable(Variable):
     @property
     def _value(self) -> np.ndarray:
         """Host copy of this rank's first replica (what base-class helpers read)."""
-        return np.asarray(jax_bridge.local_from_global(self._storage)[0])
+        return np.asarray(self._replicas()[0])
 
     @_value.setter
     def _value(self, host: np.ndarray) -> None:
@@ -112,11 +112,23 @@ class TPUVariable(Variable):
 
     def _set_replicas(self, values: List[Any]) -> None:
         self._storage = jax_bridge.global_from_local(values)
-        self._shape = tuple(self._storage.shape[1:])
+        self._shape = tuple(np.shape(values[0]))
         self._dtype = np.dtype(self._storage.dtype)
+        self.signature = (f"variable {self.name} {self._dtype.str}", self._shape)  # run's key
+
+    def _replicas(self) -> List[Any]:
+        return jax_bridge.local_from_global(self._storage, scalar=not self._shape)
 
     def _host_replicas(self) -> List[np.ndarray]:
-        return [np.asarray(v) for v in jax_bridge.local_from_global(self._storage)]
+        return [np.asarray(v) for v in self._replicas()]
+
+    def to_block(self, value: Any) -> Any:
+        """A replica's value as its block of the stored global array (inside a step)."""
+        return value[None] if not self._shape else value
+
+    def from_block(self, block: Any) -> Any:
+        """Inverse of ``to_block``."""
+        return block[0] if not self._shape else block
 
     @property
     def shape(self):
@@ -138,7 +150,7 @@ class TPUVariable(Variable):
             return frame.read(self)
         if self.synchronization is VariableSynchronization.ON_READ:
             return self._combined()
-        return jax_bridge.local_from_global(self._storage)[0]
+        return self._replicas()[0]
 
     value = read_value
 

@@ -186,33 +186,40 @@ def _replica_sharding() -> Any:
 
 
 def global_from_local(values: Sequence[Any]) -> Any:
-    """One global array ``(replicas, *shape)`` over the mesh, from this host's values.
+    """One global array over the mesh from this host's values, one per local device.
 
-    ``values`` holds one value per local device (NumPy or JAX, equal shapes
-    and dtypes); every host calls this with its own values (collective in
-    the JAX sense: all hosts must build arrays of the same global shape).
+    Values of rank 1 or more are laid end to end along their first axis
+    (global shape ``(replicas * rows, ...)``), so each device's block *is* its
+    replica's value and reading it back costs no XLA operation; scalars are
+    stacked into ``(replicas,)``. Every host calls this with values of the
+    same shape and dtype (JAX requires one global shape).
     """
     import jax
     import numpy as np
     sharding = _replica_sharding()
     replicas = topology().num_replicas
+    shape = tuple(np.shape(values[0]))
+    global_shape = (replicas,) if not shape else (replicas * shape[0],) + shape[1:]
     if not any(type(v).__module__.startswith(("jax", "jaxlib")) for v in values):
-        stacked = np.stack([np.asarray(v) for v in values])
-        return jax.make_array_from_process_local_data(sharding, stacked,
-                                                      (replicas,) + stacked.shape[1:])
-    devices = _state["local"]
-    parts = [jax.device_put(jax.numpy.expand_dims(jax.numpy.asarray(v), 0), d)
-             for v, d in zip(values, devices)]
-    return jax.make_array_from_single_device_arrays((replicas,) + parts[0].shape[1:],
-                                                    sharding, parts)
+        host = [np.asarray(v) for v in values]
+        data = np.stack(host) if not shape else np.concatenate(host)
+        return jax.make_array_from_process_local_data(sharding, data, global_shape)
+    parts = [jax.device_put(jax.numpy.asarray(v).reshape((1,) + shape if not shape else shape),
+                            d) for v, d in zip(values, _state["local"])]
+    return jax.make_array_from_single_device_arrays(global_shape, sharding, parts)
 
 
-def local_from_global(array: Any) -> List[Any]:
-    """This host's values of a global ``(replicas, *shape)`` array, in local replica order."""
+def local_from_global(array: Any, scalar: bool = False) -> List[Any]:
+    """This host's values of a global array made by ``global_from_local``, in local order.
+
+    ``scalar``: the values are scalars (they come back as NumPy scalars,
+    copied to the host: reshaping on the devices would cost an XLA dispatch each).
+    """
+    import numpy as np
     order = _state.get("order")
     if order is None:
         order = _state["order"] = {d: i for i, d in enumerate(_state["local"])}
     parts: List[Any] = [None] * len(order)
     for shard in array.addressable_shards:
-        parts[order[shard.device]] = shard.data[0]
+        parts[order[shard.device]] = np.asarray(shard.data)[0] if scalar else shard.data
     return parts

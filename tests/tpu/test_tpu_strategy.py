@@ -216,3 +216,15 @@ def test_contexts(strategy):
         with pytest.raises(RuntimeError, match="cross-replica"):
             strategy.run(lambda: strategy.reduce("SUM", 1.0, axis=None))
     assert not ms.has_strategy()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_uneven_components_on_one_rank_only_raise_everywhere(strategy, world):
+    def value_fn(ctx):
+        if world.rank == 1:
+            return np.zeros(1 + ctx.replica_id_in_sync_group % 2, np.float32)
+        return np.zeros(1, np.float32)
+
+    values = strategy.experimental_distribute_values_from_function(value_fn)
+    with pytest.raises(ValueError, match="rank 1 has uneven"):
+        strategy.run(lambda x: x, args=(values,))

@@ -50,8 +50,8 @@ if ! "$PY" -c "import h5py; assert h5py.get_config().mpi" 2>/dev/null; then
         $PIP --no-binary=h5py --no-build-isolation h5py
 fi
 
-# 4. JAX for CPU (the TPUStrategy bridge is tested on virtual CPU devices).
-# JAX for TPUStrategy on CPU hosts (jax.shard_map with check_vma needs 0.7 or later)
+# 4. JAX for CPU (the TPUStrategy bridge is tested on virtual CPU devices;
+#    jax.shard_map with check_vma needs 0.7 or later).
 "$PY" -c "import jax, sys; sys.exit(tuple(map(int, jax.__version__.split('.')[:2])) < (0, 7))" \
     2>/dev/null || $PIP "jax[cpu]>=0.7"
 

@@ -13,7 +13,7 @@ rm -rf "$logs"; mkdir -p "$logs"
 failed_runs=""
 
 summary() {  # the counts in pytest's closing line of log $1
-    tail -n 3 "$1" | grep -E "passed|failed|error|skipped" | tail -n 1
+    grep -aE "[0-9]+ (passed|failed|errors?|skipped).* in [0-9.]+s" "$1" | tail -n 1
 }
 
 echo "=== single-process tests (unit, launcher)"

@@ -202,11 +202,35 @@ def global_from_local(values: Sequence[Any]) -> Any:
     global_shape = (replicas,) if not shape else (replicas * shape[0],) + shape[1:]
     if not any(type(v).__module__.startswith(("jax", "jaxlib")) for v in values):
         host = [np.asarray(v) for v in values]
-        data = np.stack(host) if not shape else np.concatenate(host)
+        big = len(host) * host[0].nbytes >= 1 << 20  # below 1 MiB a copy is cheaper than checks
+        data = np.stack(host) if not shape else _adjacent_rows(host) if big else None
+        if data is None:
+            data = np.concatenate(host)
         return jax.make_array_from_process_local_data(sharding, data, global_shape)
     parts = [jax.device_put(jax.numpy.asarray(v).reshape((1,) + shape if not shape else shape),
                             d) for v, d in zip(values, _state["local"])]
     return jax.make_array_from_single_device_arrays(global_shape, sharding, parts)
+
+
+def _adjacent_rows(parts: List[Any]) -> Any:
+    """The one array that ``parts`` are consecutive row blocks of, or ``None``.
+
+    Batches cut by ``ms.data`` are views of one rank batch; handing JAX that
+    batch itself spares a copy (the result aliases the parts' memory).
+    """
+    import numpy as np
+    base, first = parts[0].base, parts[0]
+    if not isinstance(base, np.ndarray) or not base.flags.c_contiguous:
+        return None
+    start = first.__array_interface__["data"][0]
+    for i, part in enumerate(parts):
+        if (part.base is not base or not part.flags.c_contiguous or part.shape != first.shape
+                or part.dtype != first.dtype
+                or part.__array_interface__["data"][0] != start + i * first.nbytes):
+            return None
+    offset = start - base.__array_interface__["data"][0]
+    return np.ndarray((len(parts) * first.shape[0],) + first.shape[1:], first.dtype,
+                      buffer=base, offset=offset)
 
 
 def local_from_global(array: Any, scalar: bool = False) -> List[Any]:

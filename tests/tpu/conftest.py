@@ -2,12 +2,15 @@
 JAX host with 4 virtual CPU devices (``scripts/test.sh`` sets
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4``)."""
 
+import os
+
 import pytest
 
 import mpistrat as ms
 from mpistrat.runtime import get_world
 
-DEVICES_PER_HOST = 4
+# 4 virtual CPU devices per rank here; a GPU host run sets this to its device count.
+DEVICES_PER_HOST = int(os.environ.get("MPISTRAT_TEST_DEVICES_PER_HOST", "4"))
 
 
 @pytest.fixture(scope="session")

@@ -228,3 +228,16 @@ def test_uneven_components_on_one_rank_only_raise_everywhere(strategy, world):
     values = strategy.experimental_distribute_values_from_function(value_fn)
     with pytest.raises(ValueError, match="rank 1 has uneven"):
         strategy.run(lambda x: x, args=(values,))
+
+
+def test_large_per_replica_batches_that_are_views_of_one_batch_travel_without_a_copy(strategy):
+    rows = (np.arange(DEVICES_PER_HOST * 4096 * 64) % 7).astype(np.float32).reshape(-1, 64)
+    parts = np.split(rows, DEVICES_PER_HOST)                 # 4 MiB of views, end to end
+    batch = ms.PerReplica(parts, strategy.extended.local_replica_ids)
+    out = strategy.run(lambda x: x.sum(axis=0), args=(batch,))
+    for part, result in zip(parts, strategy.experimental_local_results(out)):
+        np.testing.assert_allclose(np.asarray(result), part.sum(axis=0), rtol=1e-6)
+    shuffled = ms.PerReplica(parts[::-1], strategy.extended.local_replica_ids)  # not in order
+    out = strategy.run(lambda x: x[0, 0], args=(shuffled,))
+    assert [float(v) for v in strategy.experimental_local_results(out)] == \
+        [float(p[0, 0]) for p in parts[::-1]]

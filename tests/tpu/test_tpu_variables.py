@@ -102,7 +102,8 @@ def test_checkpoint_round_trip(strategy, world, shared_dir):
     assert float(seen.read_value()) == strategy.num_replicas_in_sync
     # the restored values are what the next compiled step sees, on every replica
     out = strategy.run(lambda: kernel.read_value().sum())
-    assert [float(x) for x in strategy.experimental_local_results(out)] == [66.0] * 4
+    assert [float(x) for x in strategy.experimental_local_results(out)] == \
+        [66.0] * DEVICES_PER_HOST
 
 
 def _linear_data(rows=64, features=3):

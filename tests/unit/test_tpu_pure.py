@@ -56,3 +56,14 @@ def test_local_replicas_combine_before_crossing_ranks():
         _combine_local(ms.ReduceOp.SUM, [np.zeros(2), np.zeros(3)], (4, 5))
     assert _mean(np.array([7, -7]), 2).tolist() == [3, -3]   # truncates toward zero, as TF
     assert _mean(np.array([7.0]), 2).tolist() == [3.5]
+
+
+def test_adjacent_row_blocks_are_joined_without_a_copy():
+    batch = np.arange(48, dtype=np.float32).reshape(12, 4)
+    parts = np.split(batch, 4)
+    joined = jax_bridge._adjacent_rows(parts)
+    assert np.shares_memory(joined, batch) and np.array_equal(joined, batch)
+    assert jax_bridge._adjacent_rows(parts[::-1]) is None            # out of order
+    assert jax_bridge._adjacent_rows([p.copy() for p in parts]) is None  # separate memory
+    middle = np.split(batch[2:10], 2)
+    np.testing.assert_array_equal(jax_bridge._adjacent_rows(middle), batch[2:10])

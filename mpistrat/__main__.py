@@ -28,7 +28,16 @@ def info() -> dict:
         "h5py": h5py.__version__, "h5py_mpi": bool(h5py.get_config().mpi),
         "checkpoint_mode": "parallel" if parallel_available() else "parts",
         "cuda_aware_mpi": cuda_aware_mpi()[1], "nccl": nccl_available()[1],
+        "jax": _version("jax"),  # for TPUStrategy; read from metadata, JAX is not started
     }
+
+
+def _version(package: str):
+    from importlib import metadata
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def main(argv=None) -> int:

@@ -30,6 +30,7 @@ from mpistrat.distribute.values import DistributedValues, PerReplica
 from mpistrat.distribute.variables import Variable
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.runtime import jax_bridge
+from mpistrat.runtime.devices import array_kind
 
 __all__ = ["StepCache"]
 
@@ -41,7 +42,7 @@ def _is_leaf(x: Any) -> bool:
 
 
 def _is_array(x: Any) -> bool:
-    return isinstance(x, _NUMBERS) or type(x).__module__.startswith(("jax", "jaxlib"))
+    return isinstance(x, _NUMBERS) or array_kind(x) == "jax"
 
 
 def _static_key(x: Any) -> Any:

@@ -30,6 +30,7 @@ import numpy as np
 from mpistrat.collectives import ReduceOp, xla
 from mpistrat.distribute.variables import Variable, VariableAggregation, VariableSynchronization
 from mpistrat.runtime import jax_bridge
+from mpistrat.runtime.devices import array_kind
 
 __all__ = ["TPUVariable", "TraceFrame", "active_frame", "frame_active", "variable_values",
            "store_written"]
@@ -86,7 +87,7 @@ class frame_active:
 
 
 def _is_jax(value: Any) -> bool:
-    return type(value).__module__.startswith(("jax", "jaxlib"))
+    return array_kind(value) == "jax"
 
 
 class TPUVariable(Variable):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 from mpistrat.errors import InvalidArgumentError, UnavailableError
+from mpistrat.runtime.devices import array_kind
 from mpistrat.runtime.world import get_world
 
 __all__ = ["Topology", "initialize", "is_initialized", "topology", "mesh", "local_devices",
@@ -200,7 +201,7 @@ def global_from_local(values: Sequence[Any]) -> Any:
     replicas = topology().num_replicas
     shape = tuple(np.shape(values[0]))
     global_shape = (replicas,) if not shape else (replicas * shape[0],) + shape[1:]
-    if not any(type(v).__module__.startswith(("jax", "jaxlib")) for v in values):
+    if not any(array_kind(v) == "jax" for v in values):
         host = [np.asarray(v) for v in values]
         big = len(host) * host[0].nbytes >= 1 << 20  # below 1 MiB a copy is cheaper than checks
         data = np.stack(host) if not shape else _adjacent_rows(host) if big else None

@@ -93,6 +93,8 @@ def test_info_command_describes_every_rank(launch):
     rows = [json.loads(line) for line in lines]
     assert [r["rank"] for r in rows] == [0, 1] and all(r["size"] == 2 for r in rows)
     assert all(r["h5py_mpi"] is True and "Open MPI" in r["mpi"] for r in rows)
+    import jax  # the version reported is the installed one, read without starting JAX
+    assert all(r["jax"] == jax.__version__ for r in rows)
 
 
 def test_trace_names_each_collective_and_rank(launch):

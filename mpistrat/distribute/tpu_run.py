@@ -94,6 +94,12 @@ class StepCache:
         uneven = None
         for leaf in leaves:
             if isinstance(leaf, DistributedValues):
+                if len(leaf.values) != len(extended.local_replica_ids):
+                    raise ValueError(
+                        f"{type(leaf).__name__} with {len(leaf.values)} components passed to "
+                        f"TPUStrategy.run, but this host runs {len(extended.local_replica_ids)} "
+                        f"replicas; make it with this strategy's "
+                        f"experimental_distribute_values_from_function or datasets")
                 dtype, shape = _component_spec(leaf)
                 kinds.append("p")
                 per_replica.append(leaf)

@@ -183,6 +183,8 @@ def test_run_rejects_components_of_different_shapes(strategy):
         strategy.run(lambda x: x, args=(uneven,))
     with pytest.raises(ValueError, match="list or tuple"):
         strategy.run(lambda x: x, args=np.zeros(2))
+    with pytest.raises(ValueError, match=f"1 components .* runs {DEVICES_PER_HOST} replicas"):
+        strategy.run(lambda x: x, args=(ms.PerReplica([np.zeros(2)], [0]),))
 
 
 @pytest.mark.mpi(min_size=2)

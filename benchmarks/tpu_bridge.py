@@ -10,6 +10,10 @@ Figures (one JSON line each, ``ratio`` = ours / raw):
   plus a ``jax.jit`` of the same ``shard_map``; ours: ``strategy.run`` with
   a ``PerReplica`` batch (signature check over MPI, input assembly, output
   split into per-device results).
+* ``dataset_step``: the same step fed by ``experimental_distribute_dataset`` (the
+  next batches are laid on the devices by a prefetch thread) against a raw loop over the
+  same ``ms.data`` pipeline that slices this rank's rows and builds the global array at
+  each step.
 * ``train_step``: a linear-model step whose gradient is summed over all
   replicas (a cross-host XLA ``psum``). Raw: parameters as explicit inputs
   and outputs; ours: an ``ms.Variable`` with ``SUM`` aggregation.
@@ -81,6 +85,34 @@ def main():
     ours = best_seconds(comm, lambda: strategy.run(layer, args=(per_replica,)), repeats,
                         inner=50)
     record(comm, "step", ours, raw)
+
+    # 1b. the same step fed by a distributed dataset (batches prepared on the devices by a
+    #     prefetch thread) against a raw loop over the same dataset that slices this rank's
+    #     rows and assembles them when it needs them
+    steps = 40
+    global_rows = rng.standard_normal((steps * 32 * replicas, 128)).astype(np.float32)
+    dataset = ms.data.Dataset.from_tensor_slices(global_rows).batch(32 * replicas,
+                                                                    drop_remainder=True)
+    first = comm.Get_rank() * local * 32
+
+    def raw_epoch():  # the same pipeline; this rank's rows of each global batch, by hand
+        for rows in dataset:
+            raw_step(global_batch(rows[first:first + local * 32][None])).block_until_ready()
+
+    def ours_epoch():
+        for batch in strategy.experimental_distribute_dataset(dataset):
+            strategy.run(layer, args=(batch,))
+
+    def ours_epoch_with_thread():
+        threaded = ms.InputOptions(experimental_per_replica_buffer_size=1)
+        for batch in strategy.experimental_distribute_dataset(dataset, threaded):
+            strategy.run(layer, args=(batch,))
+
+    raw = best_seconds(comm, raw_epoch, repeats) / steps
+    ours = best_seconds(comm, ours_epoch, repeats) / steps
+    record(comm, "dataset_step", ours, raw, steps=steps, prefetch_thread=False)
+    ours = best_seconds(comm, ours_epoch_with_thread, repeats) / steps
+    record(comm, "dataset_step", ours, raw, steps=steps, prefetch_thread=True)
 
     # 2. a training step with a cross-host gradient psum
     x = rng.standard_normal((local, 64, 16)).astype(np.float32)

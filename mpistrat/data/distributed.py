@@ -24,6 +24,10 @@ pieces. Such strategies need static shapes, as TPUs do: batches must come
 from ``.batch(G, drop_remainder=True)`` with ``G`` divisible by
 ``num_replicas_in_sync`` (a clear ``ValueError`` otherwise), and the ranks
 stop together on the first step where any rank has no full batch left.
+There, as in TensorFlow, batches are fetched to the devices ahead of the step
+(``InputOptions.experimental_fetch_to_device``, default on): a thread keeps
+``experimental_per_replica_buffer_size`` batches (default: 1 on accelerators,
+none on CPU devices) laid out on the devices, and ``run`` uses them as they are.
 """
 
 from typing import Any, Callable, Iterator
@@ -32,11 +36,12 @@ import numpy as np
 
 from mpistrat import nest
 from mpistrat.collectives import ReduceOp
-from mpistrat.data.dataset import Dataset
+from mpistrat.data.dataset import Dataset, _prefetched
 from mpistrat.data.options import AutoShardPolicy
 from mpistrat.data.readers import BatchedRecords
 from mpistrat.data.rebatch import rebatch_slices
 from mpistrat.distribute.context import InputContext
+from mpistrat.distribute.options import InputOptions
 from mpistrat.distribute.strategy import register_input_distribution
 from mpistrat.distribute.values import PerReplica
 
@@ -55,12 +60,13 @@ def _slice(batch: Any, start: int, stop: int) -> Any:
 class DistributedDataset:
     """Iterable of ``PerReplica`` batches, in lockstep over all ranks."""
 
-    def __init__(self, strategy, make_local: Callable[[], Iterator[Any]]):
+    def __init__(self, strategy, make_local: Callable[[], Iterator[Any]], options=None):
         self._strategy = strategy
         self._make_local = make_local  # yields tuples: one component per local replica
+        self._options = options
 
     def __iter__(self) -> "DistributedIterator":
-        return DistributedIterator(self._strategy, self._make_local)
+        return DistributedIterator(self._strategy, self._make_local, self._options)
 
 
 class DistributedIterator:
@@ -72,11 +78,20 @@ class DistributedIterator:
     reads the data again: the cost grows with the position.
     """
 
-    def __init__(self, strategy, make_local: Callable[[], Iterator[Any]]):
+    def __init__(self, strategy, make_local: Callable[[], Iterator[Any]], options=None):
         self._engine = strategy.extended.engine
         self._replica_ids = strategy.extended.local_replica_ids
         self._static = strategy.extended.experimental_require_static_shapes
         self._local = iter(make_local())
+        stage = getattr(strategy.extended, "stage_per_replica", None)
+        options = options or InputOptions()
+        if stage is not None and options.experimental_fetch_to_device is not False:
+            # batches go to the devices ahead of the step, in a thread when a depth is given
+            depth = options.experimental_per_replica_buffer_size
+            if depth is None:
+                depth = strategy.extended.default_prefetch_depth
+            staged = _staged(self._local, stage)
+            self._local = iter(_prefetched(staged, depth) if depth > 0 else staged)
         self._template = None  # the last batch seen: the model for 0-row batches
         self._steps = 0
         self._replay = 0
@@ -101,7 +116,8 @@ class DistributedIterator:
             if not more[0]:
                 raise StopIteration
             self._steps += 1
-            return _regroup(element, self._replica_ids)
+            return _regroup(*element, self._replica_ids) if isinstance(element, _Prepared) \
+                else _regroup(element, None, self._replica_ids)
         if element is not _END:
             self._template = element
         needs = element is _END and self._template is None
@@ -117,7 +133,7 @@ class DistributedIterator:
         if element is _END:  # others still have data: a 0-row batch, as in TensorFlow
             element = _from_spec(_spec(self._template))
         self._steps += 1
-        return _regroup(element, self._replica_ids)
+        return _regroup(element, None, self._replica_ids)
 
     # the checkpoint state protocol
     def _serialize_to_tensors(self):
@@ -131,14 +147,26 @@ class DistributedIterator:
         self._replay = target - self._steps
 
 
-def _regroup(components: tuple, replica_ids) -> Any:
+class _Prepared(tuple):
+    """``(components, device arrays per leaf)`` made by the prefetch thread."""
+
+
+def _staged(local: Iterator[tuple], stage: Callable) -> Iterator[_Prepared]:
+    for components in local:
+        columns = zip(*[nest.flatten(c) for c in components])
+        yield _Prepared((components, [stage(parts) for parts in columns]))
+
+
+def _regroup(components: tuple, device_arrays, replica_ids) -> Any:
     """One component per local replica -> the batch's structure with ``PerReplica`` leaves
     (a ``(features, labels)`` batch unpacks into two ``PerReplica``, as in TensorFlow)."""
+    columns = list(zip(*[nest.flatten(c) for c in components]))
+    values = [PerReplica(parts, replica_ids) for parts in columns]
+    for value, array in zip(values, device_arrays or ()):
+        value._device_array = array
     if not isinstance(components[0], (dict, list, tuple)):
-        return PerReplica(components, replica_ids)
-    columns = [nest.flatten(c) for c in components]
-    return nest.pack_sequence_as(components[0], [PerReplica(parts, replica_ids)
-                                                 for parts in zip(*columns)])
+        return values[0]
+    return nest.pack_sequence_as(components[0], values)
 
 
 class _Spec:
@@ -186,10 +214,11 @@ def distribute_dataset(strategy, dataset: Dataset, options=None) -> DistributedD
             raise ValueError(f"AutoShardPolicy.FILE deals files to ranks, but there are "
                              f"{len(files)} files for {replicas} ranks: use fewer ranks, more "
                              f"files, or AutoShardPolicy.DATA")
-        return _distributed(strategy, pieces, lambda: _file_shard(dataset, replicas, replica))
+        return _distributed(strategy, pieces, lambda: _file_shard(dataset, replicas, replica),
+                            options)
     if files is not None and policy is not AutoShardPolicy.OFF:
         return _distributed(strategy, pieces,
-                            lambda: _data_shard_reads(dataset, replicas, replica))
+                            lambda: _data_shard_reads(dataset, replicas, replica), options)
 
     def local_batches():
         for batch in dataset:
@@ -200,7 +229,7 @@ def distribute_dataset(strategy, dataset: Dataset, options=None) -> DistributedD
             else:                            # DATA / AUTO: this replica's slice
                 yield _slice(batch, *slices[replica])
 
-    return _distributed(strategy, pieces, local_batches)
+    return _distributed(strategy, pieces, local_batches, options)
 
 
 def _check_static(dataset: Dataset, replicas: int) -> None:
@@ -215,17 +244,17 @@ def _check_static(dataset: Dataset, replicas: int) -> None:
             f"num_replicas_in_sync ({replicas}); static shapes need equal per-replica batches")
 
 
-def _distributed(strategy, pieces: int, make_batches) -> DistributedDataset:
+def _distributed(strategy, pieces: int, make_batches, options) -> DistributedDataset:
     """Cut each rank batch into ``pieces`` equal per-replica components."""
     if pieces == 1:
-        return DistributedDataset(strategy, lambda: ((b,) for b in make_batches()))
+        return DistributedDataset(strategy, lambda: ((b,) for b in make_batches()), options)
 
     def split():
         for batch in make_batches():
             rows = _rows(batch) // pieces
             yield tuple(_slice(batch, i * rows, (i + 1) * rows) for i in range(pieces))
 
-    return DistributedDataset(strategy, split)
+    return DistributedDataset(strategy, split, options)
 
 
 def _data_shard_reads(dataset: BatchedRecords, replicas: int, replica: int):
@@ -277,7 +306,7 @@ def distribute_datasets_from_function(strategy, dataset_fn: Callable, options=No
                 return
             yield group
 
-    return DistributedDataset(strategy, groups)
+    return DistributedDataset(strategy, groups, options)
 
 
 register_input_distribution(distribute_dataset, distribute_datasets_from_function)

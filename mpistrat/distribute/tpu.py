@@ -104,6 +104,17 @@ class TPUStrategyExtended(StrategyExtended):
         """Global ids of this host's replicas: ``rank * L + i``."""
         return self._local_ids
 
+    @property
+    def default_prefetch_depth(self) -> int:
+        """Batches a dataset prepares ahead in a thread: 1 on accelerators; none on CPU
+        devices, where that thread competes with the devices for the same cores."""
+        return 0 if self.topology.platform == "cpu" else 1
+
+    def stage_per_replica(self, parts) -> Any:
+        """This host's per-replica values as one global device array (used by datasets to
+        prepare the next batch on the devices while the current step runs)."""
+        return jax_bridge.global_from_local(list(parts))
+
     def replica_context(self) -> TPUReplicaContext:
         return TPUReplicaContext(self._container_strategy)
 

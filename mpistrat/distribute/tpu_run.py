@@ -129,7 +129,8 @@ class StepCache:
             raise InvalidArgumentError(
                 f"{what} needs the same shape and dtype on every replica (static shapes, as "
                 f"on TPUs), but this rank's components differ: {uneven}")
-        inputs = ([jax_bridge.global_from_local(list(v.values)) for v in per_replica],
+        inputs = ([v._device_array if v._device_array is not None else
+                   jax_bridge.global_from_local(list(v.values)) for v in per_replica],
                   replicated, variable_values(variables))  # while the probe travels
         agreed()  # raises on every rank if any rank passed other shapes
         step = self._steps.get(key)

@@ -19,6 +19,10 @@ __all__ = ["DistributedValues", "PerReplica", "Mirrored", "local_component"]
 class DistributedValues:
     """Base class: one value per local replica, with global replica ids."""
 
+    #: All replicas' values as one device array, when the input pipeline prepared it
+    #: ahead of time (``TPUStrategy`` datasets); ``run`` then skips assembling it.
+    _device_array: Any = None
+
     def __init__(self, values: Sequence[Any], replica_ids: Optional[Sequence[int]] = None):
         values = tuple(values)
         if not values:

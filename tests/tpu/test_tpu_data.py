@@ -109,3 +109,36 @@ def test_iterator_position_is_checkpointed(strategy, shared_dir):
     resumed = iter(strategy.experimental_distribute_dataset(dataset))
     ms.Checkpoint(iterator=resumed).read(path)
     assert [b.values[0].tolist() for b in resumed] == rest and len(rest) == 3
+
+
+def test_batches_arrive_prepared_on_the_devices(strategy):
+    n = strategy.num_replicas_in_sync
+    dataset = Dataset.from_tensor_slices(
+        {"x": np.arange(6 * n, dtype=np.float32), "y": np.ones(6 * n, np.int32)}
+    ).batch(2 * n, drop_remainder=True)
+    steps = 0
+    for batch in strategy.experimental_distribute_dataset(dataset):
+        for key in ("x", "y"):  # the global device array is ready before run is called
+            assert batch[key]._device_array is not None
+            assert batch[key]._device_array.shape == (2 * n,)
+        out = strategy.run(lambda b: b["x"] * b["y"], args=(batch,))
+        for rows, result in zip(batch["x"].values, strategy.experimental_local_results(out)):
+            np.testing.assert_array_equal(np.asarray(result), rows)
+        steps += 1
+    assert steps == 3
+
+
+@pytest.mark.parametrize("options, prepared", [
+    (ms.InputOptions(experimental_fetch_to_device=False), False),
+    (ms.InputOptions(experimental_per_replica_buffer_size=0), True),
+    (ms.InputOptions(experimental_per_replica_buffer_size=3), True)])
+def test_input_options_decide_where_batches_are_prepared(strategy, options, prepared):
+    n = strategy.num_replicas_in_sync
+    dataset = Dataset.range(5 * n).batch(n, drop_remainder=True)
+    seen = []
+    for batch in strategy.experimental_distribute_dataset(dataset, options):
+        assert (batch._device_array is not None) == prepared
+        out = strategy.run(lambda x: x + 1, args=(batch,))
+        seen.append([int(v[0]) for v in strategy.experimental_local_results(out)])
+    ids = strategy.extended.local_replica_ids
+    assert seen == [[step * n + rid + 1 for rid in ids] for step in range(5)]

@@ -55,12 +55,13 @@ def coordinator_address(host: Optional[str] = None) -> str:
     """A free ``host:port`` on this machine for JAX's coordinator (rank 0 calls it).
 
     ``MPISTRAT_JAX_COORDINATOR`` (``host:port``) decides outright; otherwise the
-    host is ``MPISTRAT_COORDINATOR_HOST`` or this machine's name.
+    host is ``MPISTRAT_COORDINATOR_HOST``, else ``host`` (the bridge passes the
+    loopback address when every rank runs on one node), else this machine's name.
     """
     forced = os.environ.get("MPISTRAT_JAX_COORDINATOR", "").strip()
     if forced:
         return forced
-    host = host or os.environ.get("MPISTRAT_COORDINATOR_HOST", "").strip() or socket.gethostname()
+    host = os.environ.get("MPISTRAT_COORDINATOR_HOST", "").strip() or host or socket.gethostname()
     with socket.socket() as probe:
         probe.bind(("", 0))
         port = probe.getsockname()[1]
@@ -100,7 +101,8 @@ def initialize(timeout_seconds: Optional[int] = None) -> Topology:
             raise InvalidArgumentError("; ".join(errors))
         import jax
         if world.size > 1:
-            address = world.comm.bcast(coordinator_address() if world.rank == 0 else None)
+            local = "127.0.0.1" if world.num_nodes == 1 else None  # one node: no name lookup
+            address = world.comm.bcast(coordinator_address(local) if world.rank == 0 else None)
             timeout = int(timeout_seconds or os.environ.get("MPISTRAT_JAX_INIT_TIMEOUT", "120"))
             try:
                 jax.distributed.initialize(coordinator_address=address,

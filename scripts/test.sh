@@ -20,33 +20,31 @@ echo "=== single-process tests (unit, launcher)"
 timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=300 --timeout-method=thread \
     tests/unit tests/launcher 2>&1 | tee "$logs/single.log" || failed_runs="$failed_runs single"
 
-for n in 1 2 3 4; do
-    echo "=== multi-rank tests at $n ranks"
-    scripts/mpirun --limit 900 -n "$n" "$PY" scripts/rank_pytest.py "$logs/np$n" \
-        -q --color=no -p no:cacheprovider --timeout=120 --timeout-method=thread tests/mpi 2>&1 | tee "$logs/np$n.rank0.log"
+# ranks_run NAME N TESTS [mpirun limit] [pytest timeout]: one multi-rank pytest run; on
+# failure the logs of ranks > 0 are shown. [Gloo] lines are JAX's connection chatter.
+ranks_run() {
+    local name=$1 n=$2 tests=$3 limit=${4:-900} timeout=${5:-120}
+    scripts/mpirun --limit "$limit" -n "$n" "$PY" scripts/rank_pytest.py "$logs/$name" \
+        -q --color=no -p no:cacheprovider --timeout="$timeout" --timeout-method=thread "$tests" 2>&1 \
+        | grep -av '^\[Gloo\]' | tee "$logs/$name.rank0.log"
     if [ "${PIPESTATUS[0]}" -ne 0 ]; then
-        failed_runs="$failed_runs np$n"
-        for f in "$logs"/np$n.rank*.log; do
-            [ "$f" = "$logs/np$n.rank0.log" ] && continue
+        failed_runs="$failed_runs $name"
+        for f in "$logs"/$name.rank*.log; do
+            [ "$f" = "$logs/$name.rank0.log" ] && continue
             echo "--- $f (last 60 lines)"; tail -n 60 "$f"
         done
     fi
+}
+
+for n in 1 2 3 4; do
+    echo "=== multi-rank tests at $n ranks"
+    ranks_run "np$n" "$n" tests/mpi
 done
 
 # TPUStrategy through the JAX bridge: every rank a JAX host with 4 virtual CPU devices.
 for n in 1 2; do
     echo "=== TPUStrategy tests at $n ranks x 4 JAX CPU devices"
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 \
-    scripts/mpirun --limit 600 -n "$n" "$PY" scripts/rank_pytest.py "$logs/tpu$n" \
-        -q --color=no -p no:cacheprovider --timeout=180 --timeout-method=thread tests/tpu 2>&1 \
-        | grep -av '^\[Gloo\]' | tee "$logs/tpu$n.rank0.log"
-    if [ "${PIPESTATUS[0]}" -ne 0 ]; then
-        failed_runs="$failed_runs tpu$n"
-        for f in "$logs"/tpu$n.rank*.log; do
-            [ "$f" = "$logs/tpu$n.rank0.log" ] && continue
-            echo "--- $f (last 60 lines)"; tail -n 60 "$f"
-        done
-    fi
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 ranks_run "tpu$n" "$n" tests/tpu 600 180
 done
 
 passed=0; failed=0; skipped=0

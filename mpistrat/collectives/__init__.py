@@ -2,6 +2,7 @@
 
 from mpistrat.collectives.engine import CollectiveEngine
 from mpistrat.collectives.options import (CommunicationImplementation, CommunicationOptions)
-from mpistrat.collectives.reduce_op import ReduceOp
+from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
 
-__all__ = ["CollectiveEngine", "CommunicationImplementation", "CommunicationOptions", "ReduceOp"]
+__all__ = ["CollectiveEngine", "CommunicationImplementation", "CommunicationOptions", "ReduceOp",
+           "divide_for_mean"]

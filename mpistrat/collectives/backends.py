@@ -27,23 +27,13 @@ from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.fusion import plan_buckets
 from mpistrat.collectives.options import CommunicationImplementation
-from mpistrat.collectives.reduce_op import ReduceOp
+from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
 from mpistrat.runtime.devices import Capabilities, from_host, to_host
 
 __all__ = ["Backend", "HostMPI", "StagedHostMPI", "BACKENDS", "select_backend"]
 
 # Below this size a plain allocation is as cheap as the pool's bookkeeping.
 _POOL_MIN_BYTES = 64 << 10
-
-
-def _divide_in_place(buffer, count: int) -> None:
-    """MEAN's final step: divide by ``count`` (integers truncate toward zero, as TF's Div)."""
-    if buffer.dtype.kind in "fc":
-        buffer /= count
-    elif buffer.dtype.kind in "iu":
-        buffer[...] = np.sign(buffer) * (np.abs(buffer) // count)
-    else:
-        raise TypeError(f"ReduceOp.MEAN cannot average {buffer.dtype} values")
 
 
 def _wire(array: np.ndarray, op: ReduceOp):
@@ -133,7 +123,7 @@ class HostMPI(Backend):
             allreduce(comm, send, buffer, op, deadline, choose_algorithm(buffer.nbytes, size))
             # 3. finish MEAN, then hand out views of the result in the original dtypes
             if op is ReduceOp.MEAN:
-                _divide_in_place(buffer, size)
+                divide_for_mean(buffer, size)
             flat = buffer.reshape(-1)
             for index, start, stop in members:
                 original = originals[index]
@@ -152,7 +142,7 @@ class HostMPI(Backend):
             else np.empty_like(wire)
         allreduce(comm, wire, out, op, deadline, choose_algorithm(wire.nbytes, size))
         if op is ReduceOp.MEAN:
-            _divide_in_place(out, size)
+            divide_for_mean(out, size)
         if wire.dtype is not original.dtype:
             return out.view(np.bool_) if original.dtype.char == "?" else out.astype(original.dtype)
         return out

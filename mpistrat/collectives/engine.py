@@ -87,13 +87,17 @@ class CollectiveEngine:
         self._calls = 0
 
     # -- the common prologue -------------------------------------------------
-    def _begin(self, what: str, signature: tuple, options: Optional[CommunicationOptions]):
+    def _prologue(self, what: str, options: Optional[CommunicationOptions]):
+        """Refuse if broken; count the call; the merged options, timeout and deadline."""
         if self._broken:
             raise AbortedError(f"{what} refused on rank {self.rank}: {self._broken}")
         opts = self.options.merge(options)
         timeout = opts.timeout_seconds if opts.timeout_seconds is not None else self.default_timeout
-        deadline = Deadline.after(timeout)
         self._calls += 1
+        return opts, timeout, Deadline.after(timeout)
+
+    def _begin(self, what: str, signature: tuple, options: Optional[CommunicationOptions]):
+        opts, timeout, deadline = self._prologue(what, options)
         if self._trace:
             total = sum(int(np.prod(shape, dtype=np.int64)) for _, shape in signature)
             log.debug("#%d %s: %d tensors, %d elements, timeout=%s", self._calls, what,
@@ -205,13 +209,9 @@ class CollectiveEngine:
         The probe travels while the caller prepares its work (``TPUStrategy.run``
         assembles its inputs meanwhile). A no-op when validation is off.
         """
-        if self._broken:
-            raise AbortedError(f"{what} refused on rank {self.rank}: {self._broken}")
+        _, _, deadline = self._prologue(what, None)
         if not self.validate or self.size == 1:
             return _nothing
-        self._calls += 1
-        timeout = self.options.timeout_seconds
-        deadline = Deadline.after(timeout if timeout is not None else self.default_timeout)
         finish = start_agree(self.comm, what, signature, deadline)
         return lambda: self._guard(finish)
 

@@ -10,9 +10,10 @@ extensions. Strings are accepted case-insensitively::
 
 import enum
 
+import numpy as np
 from mpi4py import MPI
 
-__all__ = ["ReduceOp"]
+__all__ = ["ReduceOp", "divide_for_mean"]
 
 
 class ReduceOp(enum.Enum):
@@ -43,6 +44,17 @@ class ReduceOp(enum.Enum):
 
     def __repr__(self) -> str:
         return f"ReduceOp.{self.name}"
+
+
+def divide_for_mean(buffer, count: int) -> None:
+    """MEAN's final step, in place: divide by ``count`` (integers truncate toward zero, as
+    TensorFlow's ``Div``; ``TypeError`` for other kinds)."""
+    if buffer.dtype.kind in "fc":
+        buffer /= count
+    elif buffer.dtype.kind in "iu":
+        buffer[...] = np.sign(buffer) * (np.abs(buffer) // count)
+    else:
+        raise TypeError(f"ReduceOp.MEAN cannot average {buffer.dtype} values")
 
 
 _MPI_OPS = {"SUM": MPI.SUM, "MEAN": MPI.SUM, "MIN": MPI.MIN, "MAX": MPI.MAX}

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 import numpy as np
 
 from mpistrat import nest
-from mpistrat.collectives import CollectiveEngine, ReduceOp
+from mpistrat.collectives import CollectiveEngine, ReduceOp, divide_for_mean
 from mpistrat.distribute.context import ValueContext, current_strategy_entry, entered
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.distribute.results import scalars_to_numpy
@@ -139,25 +139,9 @@ class Strategy:
         """
         self._require_cross_replica("reduce")
         op = ReduceOp.from_any(reduce_op)
-        if len(self._extended.local_replica_ids) > 1:
-            return self._reduce_local_replicas(op, value, axis)
-        local = _local(value)
-        engine = self._extended.engine
-        if axis is None:
-            return scalars_to_numpy(engine.all_reduce(local, op))
-        arrays = [np.asarray(x) for x in nest.flatten(local)]
-        bad = [i for i, a in enumerate(arrays) if not -a.ndim <= axis < a.ndim]
-        # Agree first, so that every rank raises together (never one rank alone).
-        # (Rows along the axis may differ between replicas; the other dimensions may not.)
-        engine.agree(f"reduce axis={axis}", tuple(
-            (a.dtype.str + " (axis out of range)", a.shape) if i in bad else
-            (a.dtype.str, tuple(-1 if d == axis % a.ndim else n for d, n in enumerate(a.shape)))
-            for i, a in enumerate(arrays)))
-        if bad:
-            shapes = ", ".join(str(arrays[i].shape) for i in bad)
-            raise ValueError(f"reduce: axis {axis} is out of range for value(s) of shape {shapes}")
-        return scalars_to_numpy(nest.pack_sequence_as(
-            local, _reduce_along_axis(engine, op, arrays, axis)))
+        if axis is None and len(self._extended.local_replica_ids) == 1:  # the common case
+            return scalars_to_numpy(self._extended.engine.all_reduce(_local(value), op))
+        return self._reduce_components(op, self.experimental_local_results(value), axis)
 
     def gather(self, value: Any, axis: int):
         """Concatenate ``value`` from all replicas along ``axis``, in replica-id order.
@@ -177,35 +161,36 @@ class Strategy:
             local = _local(value)
         return self._extended.engine.all_gather(local, axis)
 
-    def _reduce_local_replicas(self, op: ReduceOp, value: Any, axis: Optional[int]):
-        """``reduce`` when this rank runs several replicas: combine them here, then across ranks."""
-        components = self.experimental_local_results(value)
+    def _reduce_components(self, op: ReduceOp, components: tuple, axis: Optional[int]):
+        """Reduce this rank's replicas' values (one nest each) here, then across ranks."""
         leaves = list(zip(*[[np.asarray(x) for x in nest.flatten(c)] for c in components]))
         engine = self._extended.engine
         ids = self._extended.local_replica_ids
-        if axis is not None:
-            bad = [a.shape for parts in leaves for a in parts if not -a.ndim <= axis < a.ndim]
-            first = [parts[0] for parts in leaves]
-            engine.agree(f"reduce axis={axis}", tuple(
-                (a.dtype.str + (" (axis out of range)" if bad else ""),
-                 tuple(-1 if d == axis % max(a.ndim, 1) else n for d, n in enumerate(a.shape)))
-                for a in first))
-            if bad:
-                raise ValueError(f"reduce: axis {axis} is out of range for value(s) of shape "
-                                 f"{', '.join(map(str, bad))}")
-            partials = [_combine_local(op, [_partial(op, a, axis) for a in parts], ids)
-                        for parts in leaves]
-            if op is ReduceOp.MEAN:
-                rows = np.array([sum(a.shape[axis] for a in parts) for parts in leaves], np.int64)
-                sums, totals = engine.all_reduce((partials, rows), ReduceOp.SUM)
-                results = [s / t for s, t in zip(sums, totals)]
-            else:
-                results = engine.all_reduce(partials, op)
-        else:
+        if axis is None:
             combined = [_combine_local(op, list(parts), ids) for parts in leaves]
             results = engine.all_reduce(combined, ReduceOp.SUM if op is ReduceOp.MEAN else op)
             if op is ReduceOp.MEAN:
                 results = [_mean(r, self.num_replicas_in_sync) for r in results]
+            return scalars_to_numpy(nest.pack_sequence_as(components[0], results))
+        bad = [i for i, parts in enumerate(leaves)
+               if any(not -a.ndim <= axis < a.ndim for a in parts)]
+        # Agree first, so that every rank raises together (never one rank alone).
+        # (Rows along the axis may differ between replicas; the other dimensions may not.)
+        engine.agree(f"reduce axis={axis}", tuple(
+            (a.dtype.str + " (axis out of range)", a.shape) if i in bad else
+            (a.dtype.str, tuple(-1 if d == axis % a.ndim else n for d, n in enumerate(a.shape)))
+            for i, a in enumerate(parts[0] for parts in leaves)))
+        if bad:
+            shapes = ", ".join(str(leaves[i][0].shape) for i in bad)
+            raise ValueError(f"reduce: axis {axis} is out of range for value(s) of shape {shapes}")
+        partials = [_combine_local(op, [_partial(op, a, axis) for a in parts], ids)
+                    for parts in leaves]
+        if op is ReduceOp.MEAN:  # the global sum over the global number of rows along the axis
+            rows = np.array([sum(a.shape[axis] for a in parts) for parts in leaves], np.int64)
+            sums, totals = engine.all_reduce((partials, rows), ReduceOp.SUM)
+            results = [s / t for s, t in zip(sums, totals)]
+        else:
+            results = engine.all_reduce(partials, op)
         return scalars_to_numpy(nest.pack_sequence_as(components[0], results))
 
     # -- distributed values --------------------------------------------------
@@ -284,6 +269,8 @@ def _combine_local(op: ReduceOp, parts, replica_ids) -> np.ndarray:
         described = "; ".join(f"replica {r}: {list(a.shape)}" for r, a in zip(replica_ids, parts))
         raise ValueError(f"reduce: the replicas of this rank have values of different shapes "
                          f"({described}); use axis=0 to reduce batches of different sizes")
+    if len(parts) == 1:
+        return parts[0]
     stacked = np.stack(parts)
     if op in (ReduceOp.SUM, ReduceOp.MEAN):
         return np.sum(stacked, axis=0, dtype=stacked.dtype)
@@ -292,17 +279,6 @@ def _combine_local(op: ReduceOp, parts, replica_ids) -> np.ndarray:
 
 def _mean(total: np.ndarray, count: int) -> np.ndarray:
     """MEAN's division (integers truncate toward zero, as TensorFlow's ``Div``)."""
-    total = np.asarray(total)
-    if total.dtype.kind in "iu":
-        return (np.sign(total) * (np.abs(total) // count)).astype(total.dtype)
-    return total / count
-
-
-def _reduce_along_axis(engine: CollectiveEngine, op: ReduceOp, arrays, axis: int):
-    partials = [_partial(op, a, axis) for a in arrays]
-    if op is not ReduceOp.MEAN:
-        return engine.all_reduce(partials, op)
-    # MEAN: divide the global sum by the global number of rows along the axis.
-    rows = np.array([a.shape[axis] for a in arrays], dtype=np.int64)
-    sums, totals = engine.all_reduce((partials, rows), ReduceOp.SUM)
-    return [s / t for s, t in zip(sums, totals)]
+    result = np.array(total, copy=True)
+    divide_for_mean(result, count)
+    return result

@@ -185,7 +185,7 @@ class TPUStrategy(Strategy):
             return xla.all_gather(_read_variables(value), axis, jax_bridge.AXIS)
         self._require_cross_replica("gather")
         components = self.experimental_local_results(value)
-        arrays = [[np.asarray(x) for x in _leaves(c)] for c in components]
+        arrays = [[np.asarray(x) for x in nest.flatten(c)] for c in components]
         signature = tuple((a.dtype.str, a.shape) for a in arrays[0])
         for rid, leaves in zip(self._extended.local_replica_ids, arrays):
             if tuple((a.dtype.str, a.shape) for a in leaves) != signature:
@@ -238,6 +238,3 @@ class TPUStrategy(Strategy):
     def experimental_replicate_to_logical_devices(self, tensor):
         self._no_logical_devices("experimental_replicate_to_logical_devices")
 
-
-def _leaves(value: Any) -> list:
-    return nest.flatten(value)

@@ -166,10 +166,6 @@ class TPUVariable(Variable):
             total = total / self._strategy.num_replicas_in_sync
         return np.asarray(total, dtype=self.dtype)
 
-    def __array__(self, dtype=None, copy=None):
-        value = np.asarray(self.read_value())
-        return value.astype(dtype) if dtype is not None else (value.copy() if copy else value)
-
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         values = [x.read_value() if isinstance(x, Variable) else x for x in inputs]
         if method == "__call__" and "out" not in kwargs and any(_is_jax(v) for v in values):
@@ -201,45 +197,19 @@ class TPUVariable(Variable):
             return value
         if self.aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             return xla.broadcast_from(value, 0, jax_bridge.AXIS)
-        if self.aggregation is VariableAggregation.MEAN and self.dtype.kind in "iub":
-            raise ValueError(f"{what} on variable {self.name!r}: aggregation MEAN cannot apply "
-                             f"to an integer variable ({self.dtype}); use SUM or ONLY_FIRST_REPLICA")
+        self._refuse_integer_mean(what)
         return xla.all_reduce(value, _REDUCE[self.aggregation], jax_bridge.AXIS,
                               self._strategy.num_replicas_in_sync)
 
     def _update_cross_replica(self, value, apply: Callable, what: str) -> "TPUVariable":
-        value = np.asarray(value.numpy() if isinstance(value, Variable) else value)
-        try:
-            value = np.broadcast_to(value, self.shape).astype(self.dtype, copy=False)
-        except ValueError:
-            raise ValueError(f"{what} on variable {self.name!r}: value of shape {value.shape} "
-                             f"does not fit shape {self.shape}") from None
-        if self.synchronization is VariableSynchronization.ON_READ:
-            if self.aggregation is VariableAggregation.SUM and what != "assign":
-                raise ValueError(f"{what} on ON_READ variable {self.name!r} with aggregation "
-                                 f"SUM is not supported in cross-replica context; use assign")
-            if self.aggregation is VariableAggregation.SUM:
-                value = value / self._strategy.num_replicas_in_sync  # the SUM reads back
+        # a write outside a step is a cross-replica write, even outside any scope
+        value = self._synchronised_update(self._fit(value, what), what, in_replica=False)
         if what == "assign":
             replicas = [value] * len(self._strategy.extended.local_replica_ids)
         else:
             replicas = [apply(old, value) for old in self._host_replicas()]
         self._set_replicas([np.asarray(v, dtype=self.dtype) for v in replicas])
         return self
-
-    # -- checkpoints -------------------------------------------------------------
-    def _checkpoint_read(self) -> np.ndarray:
-        if (self.synchronization is VariableSynchronization.ON_READ
-                and self.aggregation is not VariableAggregation.NONE):
-            return self._combined()
-        return self._value
-
-    def _checkpoint_restore(self, value: np.ndarray) -> None:
-        value = np.asarray(value)
-        if (self.synchronization is VariableSynchronization.ON_READ
-                and self.aggregation is VariableAggregation.SUM):
-            value = value / self._strategy.num_replicas_in_sync
-        self._value = np.asarray(value, dtype=self.dtype)
 
     # -- display -----------------------------------------------------------------
     def __repr__(self) -> str:

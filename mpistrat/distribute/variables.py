@@ -122,7 +122,7 @@ class Variable(NDArrayOperatorsMixin):
         return self._engine.all_reduce(self._value, _REDUCE[self.aggregation])
 
     def __array__(self, dtype=None, copy=None):
-        value = self.read_value()
+        value = np.asarray(self.read_value())  # TPU variables read JAX arrays
         return value.astype(dtype) if dtype is not None else (value.copy() if copy else value)
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
@@ -157,20 +157,36 @@ class Variable(NDArrayOperatorsMixin):
         return self._update(delta, lambda old, new: old - new, "assign_sub")
 
     def _update(self, value, apply, what: str) -> "Variable":
-        value = np.asarray(value.read_value() if isinstance(value, Variable) else value)
-        try:
-            value = np.broadcast_to(value, self.shape).astype(self.dtype, copy=False)
-        except ValueError:
-            raise ValueError(f"{what} on variable {self.name!r}: value of shape {value.shape} "
-                             f"does not fit shape {self.shape}") from None
+        value = self._fit(value, what)
         if self._strategy is not None:
             value = self._synchronised_update(value, what)
         self._value = np.array(apply(self._value, value), dtype=self.dtype)
         return self
 
-    def _synchronised_update(self, value: np.ndarray, what: str) -> np.ndarray:
-        """The update to apply on this replica, after the collective the rules require."""
-        in_replica = get_replica_context() is not None
+    def _fit(self, value: Any, what: str) -> np.ndarray:
+        """``value`` on the host, broadcast to this variable's shape and dtype, or
+        ``ValueError`` naming the variable."""
+        value = np.asarray(value.numpy() if isinstance(value, Variable) else value)
+        try:
+            return np.broadcast_to(value, self.shape).astype(self.dtype, copy=False)
+        except ValueError:
+            raise ValueError(f"{what} on variable {self.name!r}: value of shape {value.shape} "
+                             f"does not fit shape {self.shape}") from None
+
+    def _refuse_integer_mean(self, what: str) -> None:
+        if self.aggregation is VariableAggregation.MEAN and self.dtype.kind in "iub":
+            raise ValueError(f"{what} on variable {self.name!r}: aggregation MEAN cannot apply "
+                             f"to an integer variable ({self.dtype}); use SUM or ONLY_FIRST_REPLICA")
+
+    def _synchronised_update(self, value: np.ndarray, what: str,
+                             in_replica: Optional[bool] = None) -> np.ndarray:
+        """The update to apply on this replica, after the collective the rules require.
+
+        ``in_replica``: whether this is a replica-context write (default: asked of
+        the current context).
+        """
+        if in_replica is None:
+            in_replica = get_replica_context() is not None
         on_read = self.synchronization is VariableSynchronization.ON_READ
         if on_read and in_replica:
             return value  # per-replica value: only this replica changes
@@ -185,9 +201,7 @@ class Variable(NDArrayOperatorsMixin):
             return value  # cross-replica writes apply the same value on every rank
         if self.aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             return self._engine.broadcast(value, root=0)
-        if self.aggregation is VariableAggregation.MEAN and self.dtype.kind in "iub":
-            raise ValueError(f"{what} on variable {self.name!r}: aggregation MEAN cannot apply "
-                             f"to an integer variable ({self.dtype}); use SUM or ONLY_FIRST_REPLICA")
+        self._refuse_integer_mean(what)
         return self._engine.all_reduce(value, _REDUCE[self.aggregation])
 
     # -- checkpoints -------------------------------------------------------------

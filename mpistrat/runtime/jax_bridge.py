@@ -133,7 +133,7 @@ def is_initialized() -> bool:
 
 def topology() -> Topology:
     """The topology, starting the bridge first if needed (collective then)."""
-    return initialize()
+    return _state.get("topology") or initialize()  # no lock once started: run's hot path
 
 
 def local_devices() -> List[Any]:

@@ -14,7 +14,7 @@ def info() -> dict:
     import mpi4py
     from mpi4py import MPI
 
-    from mpistrat.checkpoint.h5format import parallel_available
+    from mpistrat.checkpoint.h5write import checkpoint_mode
     from mpistrat.runtime import get_world
     from mpistrat.runtime.devices import cuda_aware_mpi, nccl_available
 
@@ -26,7 +26,7 @@ def info() -> dict:
         "mpi": MPI.Get_library_version().splitlines()[0].strip(),
         "mpi4py": mpi4py.__version__, "thread_level": MPI.Query_thread(),
         "h5py": h5py.__version__, "h5py_mpi": bool(h5py.get_config().mpi),
-        "checkpoint_mode": "parallel" if parallel_available() else "parts",
+        "checkpoint_mode": checkpoint_mode(),
         "cuda_aware_mpi": cuda_aware_mpi()[1], "nccl": nccl_available()[1],
         "jax": _version("jax"),  # for TPUStrategy; read from metadata, JAX is not started
     }

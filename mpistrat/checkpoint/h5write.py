@@ -124,9 +124,15 @@ def write_file(final: str, values: Dict[str, np.ndarray], kinds: Dict[str, str],
 
 
 def _preflight(directory: str, plan: _Plan, rank: int) -> Optional[Failure]:
-    """Free space (rank 0) and the file size limit (every rank), before any write."""
-    if os.environ.get("MPISTRAT_CHECKPOINT_PREFLIGHT", "1") == "0":
-        return None
+    """Free space (rank 0) and the file size limit (every rank), before any write.
+
+    HDF5 can crash when its own metadata writes fail, so what it writes must
+    fit: the file size limit (exact and local) is always checked, and so is
+    room for the layout; the free space for all the data is checked unless
+    ``MPISTRAT_CHECKPOINT_PREFLIGHT=0`` (for file systems whose free-space
+    figure is no guide, e.g. per-user quotas; a full disk then fails in our
+    own checked writes, with the same named error).
+    """
     need = plan.nbytes + _META_BYTES
     try:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
@@ -134,6 +140,8 @@ def _preflight(directory: str, plan: _Plan, rank: int) -> Optional[Failure]:
             raise OSError(27, f"the file size limit (ulimit -f) is {limit} bytes, the "
                               f"checkpoint needs up to {need}")
         if rank == 0:
+            if os.environ.get("MPISTRAT_CHECKPOINT_PREFLIGHT", "1") == "0":
+                need = _META_BYTES
             stat = os.statvfs(directory)
             free = stat.f_bavail * stat.f_frsize
             if free < need:
@@ -237,6 +245,7 @@ def _row_bytes(value: np.ndarray) -> int:
 
 
 def _commit(tmp: str, final: str) -> None:
+    fault_point("checkpoint-before-commit")
     _fsync(tmp)
     os.replace(tmp, final)
     fsync_dir(os.path.dirname(final))

@@ -19,6 +19,9 @@ import sys
 import threading
 from typing import Callable, Optional
 
+import h5py  # noqa: F401 - imported first so that its exit handler runs after ours
+from mpi4py import MPI  # noqa: F401 - likewise MPI's finalisation
+
 __all__ = ["Job", "start", "wait_idle", "in_flight"]
 
 
@@ -87,5 +90,6 @@ def _finish_at_exit() -> None:
         os._exit(1)
 
 
-# Registered after mpi4py's own finaliser (imported first), so it runs before MPI_Finalize.
+# atexit runs handlers last-registered first: registered after h5py's and mpi4py's own
+# clean-up (both imported above), so a save in flight finishes before they run.
 atexit.register(_finish_at_exit)

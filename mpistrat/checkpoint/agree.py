@@ -12,7 +12,10 @@ leaving some waiting in the next collective.
 """
 
 import errno as errno_codes
+import hashlib
 from typing import Any, List, Optional, Sequence, Type
+
+import numpy as np
 
 from mpistrat.collectives import CollectiveEngine
 from mpistrat.errors import DataLossError, NotFoundError
@@ -67,15 +70,21 @@ def agree_errors(engine: CollectiveEngine, failure: Optional[Failure], what: str
     ``ValueError``; any other becomes an ``OSError`` keeping its errno, so
     ``err.errno == errno.ENOSPC`` works for a full disk).
     """
-    failures: List[Failure] = [f for f in engine.comm.allgather(failure) if f is not None]
-    if not failures:
+    if not _anyone(engine, failure is not None):
         return
+    failures: List[Failure] = [f for f in engine.comm.allgather(failure) if f is not None]
     first = failures[0]
     text = f"{what} failed: " + "; ".join(f.text for f in failures) + (f"; {hint}" if hint else "")
     cls: Type[BaseException] = _CLASSES.get(first.kind, OSError)
     if cls is OSError and first.errno is not None:
         raise OSError(first.errno, f"{text}{_errno_hint(first.errno)}")
     raise cls(text)
+
+
+def _anyone(engine: CollectiveEngine, flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank (an all-reduce that honours the collective timeout,
+    so a rank that stopped answering ends in ``DeadlineExceededError`` instead of a hang)."""
+    return bool(engine.all_reduce(np.array([int(flag)], dtype=np.int64), "MAX")[0])
 
 
 def _errno_hint(code: int) -> str:
@@ -91,6 +100,11 @@ def _errno_hint(code: int) -> str:
 def agree_view(engine: CollectiveEngine, view: Any, what: str, error=NotFoundError,
                hint: str = "put checkpoints on a file system that every rank shares") -> Any:
     """The view every rank has of something (collective); ranks that differ raise together."""
+    digest = int.from_bytes(hashlib.blake2b(repr(view).encode(), digest_size=8).digest(),
+                            "little") >> 2
+    low_high = engine.all_reduce(np.array([digest, -digest], dtype=np.int64), "MAX")
+    if low_high[0] == -low_high[1]:  # max == min: every rank saw the same
+        return view
     views = engine.comm.allgather(view)
     if any(v != views[0] for v in views[1:]):
         raise error(f"ranks see different things at {what}: {describe_views(views)}; {hint}")

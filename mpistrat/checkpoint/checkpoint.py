@@ -25,7 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.checkpoint import writer
-from mpistrat.checkpoint.agree import Failure, agree_errors, agree_view, describe_views
+from mpistrat.checkpoint.agree import Failure, agree_errors, agree_view
 from mpistrat.checkpoint.files import (data_file, local_view, missing_hint, remove_leftovers,
                                        state_name)
 from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots
@@ -379,13 +379,7 @@ def agreed_state(directory: str, engine: CollectiveEngine):
         view = ("ok",) + read_kept(directory)
     except DataLossError as err:
         view = ("error", str(err))
-    views = engine.comm.allgather(view)
-    if any(v != views[0] for v in views[1:]):
-        shown = [v[1] if v[0] == "error" else f"latest {v[1]}, kept {[n for n, _ in v[2]]}"
-                 for v in views]
-        raise NotFoundError(f"ranks see different things in checkpoint directory {directory}: "
-                            f"{describe_views(shown)}; put checkpoints on a file system that "
-                            f"every rank shares")
+    agree_view(engine, view, f"checkpoint directory {directory}")
     if view[0] == "error":
         raise DataLossError(view[1])
     return view[1:]

@@ -249,3 +249,27 @@ def test_rewriting_a_prefix_killed_before_commit_keeps_the_old_checkpoint(launch
     assert killed.returncode not in (0, 124) and "wrote" not in killed.output, killed
     read = launch(2, WRITE, str(tmp_path), "0", "read", env=env)
     assert read.output.count("read 1.0 1.0") == 2, read
+
+
+STALLED = """
+import os, signal, sys, time, numpy as np, mpistrat as ms
+from mpistrat.runtime import get_world
+world = get_world()
+pids = world.comm.allgather(os.getpid())
+manager = ms.CheckpointManager(ms.Checkpoint(w=ms.Variable(np.arange(5.0))), sys.argv[1], 2)
+if world.rank == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)      # a rank that stops answering before the save
+start = time.monotonic()
+try:
+    manager.save()
+except Exception as err:
+    say("error", type(err).__name__, round(time.monotonic() - start), str(err)[:200])
+os.kill(pids[1], signal.SIGKILL)
+"""
+
+
+def test_a_stalled_rank_ends_the_save_within_the_collective_timeout(launch, tmp_path):
+    out = launch(2, STALLED, str(tmp_path), env={"MPISTRAT_COLLECTIVE_TIMEOUT": "4"}, limit=60)
+    assert "error DeadlineExceededError" in out.output, out
+    seconds = int(out.output.split("error DeadlineExceededError ")[1].split()[0])
+    assert 3 <= seconds <= 15, out

@@ -260,3 +260,17 @@ def test_hdf5_reader_refuses_vlen_and_strings(tmp_path):
     for name in ["v", "s"]:
         with pytest.raises(ValueError, match="not supported"):
             ms.data.HDF5Dataset([str(path)], name)
+
+
+def test_validation_cache_is_bounded():
+    from mpistrat.collectives import validation
+    for n in range(validation._MAX_CACHED + 500):
+        validation._hash((("float32", (n,)),))
+    assert len(validation._HASHES) <= validation._MAX_CACHED
+
+
+def test_fault_hook_is_inert_unless_armed_for_tests():
+    from mpistrat.runtime import faults
+    assert os.environ.get("MPISTRAT_TEST_FAULT") is None
+    assert faults.fault_point is faults._disarmed
+    faults.fault_point("checkpoint-partition-written")  # returns: nothing is armed

@@ -274,3 +274,14 @@ def test_fault_hook_is_inert_unless_armed_for_tests():
     assert os.environ.get("MPISTRAT_TEST_FAULT") is None
     assert faults.fault_point is faults._disarmed
     faults.fault_point("checkpoint-partition-written")  # returns: nothing is armed
+
+
+def test_standard_hdf5_tools_read_a_checkpoint(tmp_path):
+    import shutil
+    import subprocess
+    if not shutil.which("h5dump"):
+        pytest.skip("h5dump is missing (Debian package hdf5-tools)")
+    model, ckpt, path = _good(tmp_path)
+    out = subprocess.run(["h5dump", "-d", "model/w", path + ".h5"], capture_output=True,
+                         text=True, check=True).stdout
+    assert "mpistrat_partitions" in out and "0, 1, 2, 3, 4" in out, out

@@ -29,9 +29,9 @@ from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.checkpoint.files import (data_file, local_view, missing_hint, remove_leftovers,
                                        state_name)
 from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots
-from mpistrat.checkpoint.h5read import Reader, read_catalog, read_values
+from mpistrat.checkpoint.h5read import Reader, read_catalog, read_entry, read_values
 from mpistrat.checkpoint.h5write import write_file
-from mpistrat.checkpoint.state_file import CheckpointState, read_state, write_state
+from mpistrat.checkpoint.state_file import STATE_FILE, CheckpointState, read_state, write_state
 from mpistrat.collectives import CollectiveEngine
 from mpistrat.errors import DataLossError, NotFoundError
 from mpistrat.distribute.variables import Variable
@@ -118,7 +118,7 @@ class Checkpoint:
     def __init__(self, root: Any = None, **kwargs: Any):
         object.__setattr__(self, "_children", {})
         object.__setattr__(self, "_root", root)
-        object.__setattr__(self, "_pending", {})   # path -> value, for objects attached later
+        object.__setattr__(self, "_pending", {})   # path -> h5read.Entry, for objects attached later
         object.__setattr__(self, "_status", None)
         object.__setattr__(self, "_async", None)   # this object's save in flight (writer.Job)
         counter = Variable(np.int64(0), name="save_counter")
@@ -244,14 +244,15 @@ class Checkpoint:
             raise NotFoundError(f"no checkpoint at {path} (looked for {final}){missing_hint(path)}")
         catalog = read_catalog(final, engine)
         slots = collect_slots(self._named(), self._assign)
-        for name in sorted(set(slots) & set(catalog)):
-            _check_compatible(slots[name], catalog[name], name, final)
-        matched, pending = set(), {}
-        with Reader(catalog, engine) as reader:
-            for batch in _read_batches(catalog):  # read, verify, apply: old values freed as we go
-                values = read_values(final, reader, batch)
-                matched |= self._apply(slots, values, final)
-                pending.update((p, v) for p, v in values.items() if p not in matched)
+        wanted = {name: catalog[name] for name in sorted(set(slots) & set(catalog))}
+        for name, entry in wanted.items():
+            _check_compatible(slots[name], entry, name, final)
+        matched = set()
+        with Reader(wanted, engine) as reader:
+            for batch in _read_batches(wanted):  # read, verify, apply: old values freed as we go
+                matched |= self._apply(slots, read_values(final, reader, batch), final)
+        # values without an object yet are read when one is attached (never before)
+        pending = {p: e for p, e in catalog.items() if p not in matched}
         object.__setattr__(self, "_pending", pending)
         status = CheckpointLoadStatus(final, matched, pending, set(slots) - set(catalog))
         object.__setattr__(self, "_status", status)
@@ -272,8 +273,14 @@ class Checkpoint:
         return matched
 
     def _apply_pending(self, named: Dict[str, Any]) -> None:
+        """Values restored earlier for objects attached now: checked, then read by this rank
+        alone (attaching needs no other rank)."""
         slots = collect_slots(named, self._assign)
-        matched = self._apply(slots, self._pending, "the restored checkpoint")
+        found = sorted(set(slots) & set(self._pending))
+        for path in found:
+            _check_compatible(slots[path], self._pending[path], path, self._pending[path].source)
+        values = {p: read_entry(self._pending[p]) for p in found}
+        matched = self._apply(slots, values, "the restored checkpoint")
         for path in matched:
             self._pending.pop(path, None)
         if self._status is not None:
@@ -306,11 +313,15 @@ def _prepare_directory(directory: str, engine: CollectiveEngine, path: str) -> N
     if engine.rank == 0:
         try:
             os.makedirs(directory, exist_ok=True)
-            remove_leftovers(directory)
         except OSError as err:
             failure = Failure(err, 0, f"preparing {directory}")
+        else:
+            remove_leftovers(directory)  # best effort: warns about what it cannot delete
     agree_errors(engine, failure, f"saving checkpoint {path}")
     agree_view(engine, local_view(directory), f"checkpoint directory {directory}")
+
+
+_NUMBER_DTYPES = {"int": "iu", "float": "fiu", "bool": "b"}
 
 
 def _check_compatible(slot: Slot, value, path: str, source: str) -> None:
@@ -321,6 +332,12 @@ def _check_compatible(slot: Slot, value, path: str, source: str) -> None:
         if tuple(value.shape) != shape or value.dtype != dtype:
             raise ValueError(f"cannot restore {path!r} from {source}: the checkpoint holds "
                              f"{value.dtype}{list(value.shape)}, the object is {dtype}{list(shape)}")
+    elif slot.kind in _NUMBER_DTYPES or slot.kind == "array":  # a Python or NumPy number
+        kinds = _NUMBER_DTYPES.get(slot.kind, "biufc")
+        if tuple(value.shape) != () or value.dtype.kind not in kinds:
+            raise ValueError(f"cannot restore {path!r} from {source}: the checkpoint holds "
+                             f"{value.dtype}{list(value.shape)}, the object is a {slot.kind} "
+                             f"number")
 
 
 class _SaveJob:
@@ -384,10 +401,7 @@ def _record_latest(path: str) -> None:
     """Name ``path`` as the latest checkpoint, keeping the others listed."""
     directory, name = os.path.split(path)
     directory = directory or "."
-    try:
-        _, kept, preserved = read_kept(directory)
-    except DataLossError:
-        kept, preserved = [], 0.0  # a damaged state file is replaced by a good one
+    _, kept, preserved = read_kept(directory)  # a file that is not a state file is refused
     times = dict(kept)
     times.pop(name, None)
     times[name] = time.time()
@@ -415,6 +429,9 @@ def latest_checkpoint(checkpoint_dir: str, latest_filename: Optional[str] = None
     storage) raise ``NotFoundError`` together, naming what each saw. It waits
     for an async save in flight first, so all ranks answer alike.
     """
+    if latest_filename not in (None, STATE_FILE):
+        raise ValueError(f"latest_filename={latest_filename!r}: only the default state file "
+                         f"name {STATE_FILE!r} is supported")
     directory = os.fspath(checkpoint_dir)
     latest, _, _ = agreed_state(directory, _io_engine())
     return os.path.join(directory, latest) if latest is not None else None

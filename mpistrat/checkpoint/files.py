@@ -17,6 +17,7 @@ other programs' files in the same directory are never touched.
 import glob
 import os
 import re
+import warnings
 from typing import Iterable, List, Optional
 
 __all__ = ["data_file", "temp_name", "part_name", "MARKER", "USERBLOCK", "write_marker",
@@ -115,11 +116,15 @@ def missing_hint(path: str) -> str:
 
 
 def _remove(path: str, removed: List[str]) -> None:
+    """Delete one file of ours; clean-up never fails a save (it warns and goes on)."""
     try:
         os.remove(path)
         removed.append(os.path.basename(path))
     except FileNotFoundError:
         pass
+    except OSError as err:
+        warnings.warn(f"mpistrat could not delete its file {path}: {err}", RuntimeWarning,
+                      stacklevel=3)
 
 
 def _parts_of(final: str) -> Iterable[str]:

@@ -8,12 +8,13 @@ a file that differs between ranks, or that fails on one, raises on all.
 ``read_values`` then reads each value straight into one buffer of its final
 shape: small values whole on every rank; large ones as contiguous runs of
 partitions, one run per rank, checksummed in worker threads while the next
-run is read, then completed with an in-place ``Allgatherv`` (no second copy).
+run is read, then completed in place by a broadcast of each run (no second copy).
 Nothing is ever unpickled, and HDF5 external storage or foreign virtual
 datasets are refused, so a crafted file cannot make us read other files.
 """
 
 import hashlib
+import math
 import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,7 +35,7 @@ from mpistrat.checkpoint.validate import (MAX_PARTITIONS, check_checksums, check
 from mpistrat.collectives import CollectiveEngine
 from mpistrat.errors import DataLossError, NotFoundError
 
-__all__ = ["Entry", "Reader", "read_catalog", "read_values", "SMALL_BYTES"]
+__all__ = ["Entry", "Reader", "read_catalog", "read_values", "read_entry", "SMALL_BYTES"]
 
 SMALL_BYTES = 1 << 20  # values below this are read whole by every rank
 _VERSIONS = (1, 2)
@@ -52,14 +53,15 @@ class Entry:
     partitions: List[Tuple[int, int]]
     checksums: List[int]
     pieces: List[Tuple[str, Optional[int]]]  # per partition: (file, byte offset); None: via h5py
+    source: str = ""                          # the checkpoint file
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize  # Python ints: never wraps
 
     @property
     def row_bytes(self) -> int:
-        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
 
 
 def read_catalog(final: str, engine: CollectiveEngine) -> Dict[str, Entry]:
@@ -139,7 +141,7 @@ def _entry(final: str, size: int, dset: h5py.Dataset, name: str, parts) -> Entry
                                   rows_of(shape), where)
     sums = check_checksums(_array_attr(dset, "mpistrat_checksums", where, 1).tolist(),
                            len(partitions), where)
-    entry = Entry(name, shape, dtype, kind, partitions, sums, [])
+    entry = Entry(name, shape, dtype, kind, partitions, sums, [], final)
     dcpl = dset.id.get_create_plist()
     layout = dcpl.get_layout()
     if layout == h5py.h5d.VIRTUAL:
@@ -238,9 +240,13 @@ class Reader:
         for fd in self._fds.values():
             os.close(fd)
 
+    def split(self, entry: Entry) -> bool:
+        """Whether the ranks share the reading of ``entry`` (the same answer on every rank)."""
+        return entry.nbytes >= SMALL_BYTES and bool(entry.shape) and self.engine.size > 1
+
     def run(self, entry: Entry) -> Tuple[int, int]:
         """The partitions this rank reads: all of a small value, one run of a large one."""
-        if entry.nbytes < SMALL_BYTES or not entry.shape or self.engine.size == 1:
+        if not self.split(entry):
             return 0, len(entry.partitions)
         return read_runs(len(entry.partitions), self.engine.size)[self.engine.rank]
 
@@ -302,7 +308,7 @@ def read_values(final: str, reader: Reader, paths) -> Dict[str, np.ndarray]:
                 checks.append(reader.pool.submit(_verify, rows[a:b], entry, k,
                                                  entry.pieces[k][0]))
             values[path] = dest
-            if stop - first < len(entry.partitions):
+            if reader.split(entry):
                 large.append(path)
         for check in checks:
             check.result()
@@ -316,14 +322,45 @@ def read_values(final: str, reader: Reader, paths) -> Dict[str, np.ndarray]:
     return values
 
 
+class _LocalReader(Reader):
+    """A reader for one rank alone (deferred values: every partition, no collective)."""
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self._fds: Dict[str, int] = {}
+
+    def __enter__(self) -> "_LocalReader":
+        return self
+
+    def run(self, entry: Entry) -> Tuple[int, int]:
+        return 0, len(entry.partitions)
+
+
+def read_entry(entry: Entry) -> np.ndarray:
+    """The whole value of ``entry``, read and verified by this rank alone (not collective)."""
+    dest = np.empty(entry.shape, dtype=entry.dtype)
+    rows = dest.reshape((1,) + entry.shape) if not entry.shape else dest
+    with _LocalReader() as reader:
+        for k, (a, b) in enumerate(entry.partitions):
+            reader.read_into(*entry.pieces[k], rows[a:b], entry, k)
+            _verify(rows[a:b], entry, k, entry.pieces[k][0])
+    return dest
+
+
 def _all_gather_rows(dest: np.ndarray, entry: Entry, engine: CollectiveEngine) -> None:
-    runs = read_runs(len(entry.partitions), engine.size)
-    counts = [entry.partitions[b - 1][1] - entry.partitions[a][0] if b > a else 0
-              for a, b in runs]
-    displs = [entry.partitions[a][0] if b > a else 0 for a, b in runs]
+    """Complete ``dest`` in place: each rank's run of rows goes to every other rank.
+
+    One broadcast per rank that read something (Open MPI 4.1's in-place
+    ``Allgatherv`` hung here when some ranks contributed no rows); rows travel
+    as a contiguous datatype, so counts stay small for any size.
+    """
+    flat = dest.reshape(-1).view(np.uint8)
     rowtype = MPI.BYTE.Create_contiguous(entry.row_bytes).Commit()
     try:
-        engine.comm.Allgatherv(MPI.IN_PLACE, [dest.reshape(-1).view(np.uint8), counts, displs,
-                                              rowtype])
+        for root, (a, b) in enumerate(read_runs(len(entry.partitions), engine.size)):
+            if b > a:
+                first, stop = entry.partitions[a][0], entry.partitions[b - 1][1]
+                block = flat[first * entry.row_bytes:stop * entry.row_bytes]
+                engine.comm.Bcast([block, stop - first, rowtype], root=root)
     finally:
         rowtype.Free()

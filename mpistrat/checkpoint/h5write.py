@@ -30,10 +30,10 @@ import uuid
 import zlib
 from typing import Dict, List, Optional, Tuple
 
-import h5py
 import numpy as np
 
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+from mpistrat.checkpoint import h5layout
 from mpistrat.checkpoint.files import (USERBLOCK, part_name, remove_checkpoint, temp_name,
                                        write_marker)
 from mpistrat.checkpoint.layout import partition_owner, write_partitions
@@ -74,15 +74,6 @@ def _fsync(path: str) -> None:
 def fsync_dir(directory: str) -> None:
     """Make a rename in ``directory`` durable."""
     _fsync(directory or ".")
-
-
-def _dcpl():
-    """Contiguous, allocated at creation, never filled: raw data is ours to write."""
-    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
-    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
-    return dcpl
 
 
 class _Plan:
@@ -151,20 +142,29 @@ def _preflight(directory: str, plan: _Plan, rank: int) -> Optional[Failure]:
     return None
 
 
-def _create_layout(path: str, entries, root_attrs: Dict) -> Dict[str, int]:
-    """Create ``path`` with its datasets laid out; return each dataset's byte offset."""
-    offsets = {}
-    with h5py.File(path, "w", userblock_size=USERBLOCK) as f:
-        for key, value in root_attrs.items():
-            f.attrs[key] = value
-        for name, value, attrs in entries:
-            dset = f.create_dataset(name, shape=value.shape, dtype=value.dtype, dcpl=_dcpl())
-            for key, attr in attrs.items():
-                dset.attrs[key] = attr
-            if value.ndim == 0:
-                dset[()] = value  # HDF5 allocates scalars only when written: a few bytes
-            elif value.nbytes:
-                offsets[name] = int(dset.id.get_offset())
+def _attr_spec(value):
+    """An attribute for the layout process: ``[data, dtype or None]``."""
+    if isinstance(value, np.ndarray):
+        return [value.tolist(), value.dtype.str]
+    if isinstance(value, (int, np.integer)):
+        return [int(value), "<i8"]
+    return [value, None]
+
+
+def _create_layout(path: str, entries, root_attrs: Dict, sources=None) -> Dict[str, int]:
+    """Create ``path`` with its datasets laid out (in the HDF5 layout process); return each
+    dataset's byte offset. ``sources[name]`` makes ``name`` a virtual dataset over part files."""
+    datasets = []
+    for name, value, attrs in entries:
+        item = {"name": name, "shape": list(value.shape), "dtype": value.dtype.str,
+                "attrs": {k: _attr_spec(v) for k, v in attrs.items()}}
+        if value.ndim == 0:
+            item["scalar"] = value.tobytes().hex()
+        elif sources and name in sources:
+            item["sources"] = sources[name]
+        datasets.append(item)
+    offsets = h5layout.create({"path": path, "userblock": USERBLOCK, "datasets": datasets,
+                               "attrs": {k: _attr_spec(v) for k, v in root_attrs.items()}})
     write_marker(path)
     return offsets
 
@@ -282,20 +282,11 @@ def _write_parts(final, plan, kinds, checksums, token, engine, what) -> None:
 
 def _write_master(tmp, plan, kinds, checksums, parts, token, size) -> None:
     names = [os.path.basename(p) for p in parts]
-    with h5py.File(tmp, "w", userblock_size=USERBLOCK) as f:
-        for key, value in _root_attrs(size, token).items():
-            f.attrs[key] = value
-        for index, p in enumerate(plan.paths):
-            value = plan.values[p]
-            if value.ndim == 0:  # a scalar: stored in the master itself
-                dset = f.create_dataset(p, data=value)
-            else:
-                layout = h5py.VirtualLayout(shape=value.shape, dtype=value.dtype)
-                for part, (a, b) in enumerate(plan.layouts[p]):
-                    owner = partition_owner(index, part, size)
-                    layout[a:b] = h5py.VirtualSource(names[owner], f"{p}/part-{part}",
-                                                     shape=(b - a,) + value.shape[1:])
-                dset = f.create_virtual_dataset(p, layout)
-            for key, attr in _attrs(plan, kinds, checksums, p).items():
-                dset.attrs[key] = attr
-    write_marker(tmp)
+    entries, sources = [], {}
+    for index, p in enumerate(plan.paths):
+        value = plan.values[p]
+        entries.append((p, value, _attrs(plan, kinds, checksums, p)))
+        if value.ndim:  # a scalar is stored in the master itself
+            sources[p] = [[a, b, names[partition_owner(index, part, size)], f"{p}/part-{part}"]
+                          for part, (a, b) in enumerate(plan.layouts[p])]
+    _create_layout(tmp, entries, _root_attrs(size, token), sources)

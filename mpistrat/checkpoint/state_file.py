@@ -20,6 +20,7 @@ anything::
 import json
 import math
 import os
+import stat
 import re
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -102,13 +103,20 @@ def read_state(directory: str) -> Optional[CheckpointState]:
     ``DataLossError`` naming it (what to do: delete or repair it).
     """
     path = os.path.join(directory, STATE_FILE)
-    try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_STATE_BYTES + 1)
+    try:  # non-blocking: a FIFO planted under the name must not hang every rank
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
-    except IsADirectoryError:
-        raise DataLossError(f"checkpoint state file {path} is a directory") from None
+    except OSError as err:
+        raise DataLossError(f"checkpoint state file {path} cannot be read: {err}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DataLossError(f"checkpoint state file {path} is not a regular file")
+        data = os.read(fd, MAX_STATE_BYTES + 1)
+    except OSError as err:
+        raise DataLossError(f"checkpoint state file {path} cannot be read: {err}") from None
+    finally:
+        os.close(fd)
     try:
         if len(data) > MAX_STATE_BYTES:
             raise ValueError(f"it is larger than {MAX_STATE_BYTES} bytes")

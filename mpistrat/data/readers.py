@@ -14,6 +14,8 @@ counts what this rank read::
     [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 """
 
+import math
+import operator
 import os
 import weakref
 from typing import List, Optional, Sequence
@@ -29,6 +31,14 @@ __all__ = ["RecordFiles", "FixedLengthRecordDataset", "NpyDataset", "HDF5Rows", 
 
 
 _NUMERIC_KINDS = set("biufc")
+
+
+def _integer(value, name: str) -> int:
+    """An integer argument (``4``, ``np.int64(4)``), never a silently truncated ``4.5``."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
 def _numeric(dtype, what: str) -> np.dtype:
@@ -56,7 +66,10 @@ class RecordFiles(Dataset):
         self.files: List[str] = [os.fspath(f) for f in filenames]
         if not self.files:
             raise ValueError("a record dataset needs at least one file")
-        self.record_bytes, self.header_bytes = int(record_bytes), int(header_bytes)
+        record_bytes, header_bytes, footer_bytes = (
+            _integer(record_bytes, "record_bytes"), _integer(header_bytes, "header_bytes"),
+            _integer(footer_bytes, "footer_bytes"))
+        self.record_bytes, self.header_bytes = record_bytes, header_bytes
         if self.record_bytes <= 0:
             raise ValueError(f"record_bytes must be positive, got {record_bytes}")
         if self.header_bytes < 0 or int(footer_bytes) < 0:
@@ -64,13 +77,13 @@ class RecordFiles(Dataset):
                              f"{header_bytes} and {footer_bytes}")
         self.dtype = _numeric(dtype if dtype is not None else np.uint8, "records")
         if shape is not None:
-            self.shape = tuple(shape)
+            self.shape = tuple(_integer(d, "shape") for d in shape)
         elif dtype is not None and self.record_bytes == self.dtype.itemsize:
             self.shape = ()  # one value per record
         else:
             self.shape = (self.record_bytes // self.dtype.itemsize,)
         if any(int(d) <= 0 for d in self.shape) or \
-                self.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64)) != self.record_bytes:
+                self.dtype.itemsize * math.prod(self.shape) != self.record_bytes:
             raise ValueError(f"records of {self.record_bytes} bytes cannot hold {self.dtype} "
                              f"values of shape {self.shape}")
         self._set_rows([self._count(f, footer_bytes) for f in self.files])
@@ -84,10 +97,9 @@ class RecordFiles(Dataset):
                                         for row in block))
 
     def _count(self, path: str, footer_bytes: int) -> int:
-        try:
-            size = os.path.getsize(path)
-        except FileNotFoundError:
-            raise NotFoundError(f"record file {path} does not exist") from None
+        if not os.path.isfile(path):
+            raise NotFoundError(f"record file {path} does not exist or is not a regular file")
+        size = os.path.getsize(path)
         body = size - self.header_bytes - footer_bytes
         if body < 0 or body % self.record_bytes:
             raise ValueError(f"{path}: {size} bytes is not header {self.header_bytes} + k x "
@@ -197,7 +209,7 @@ def _check_npy(path, shape, dtype, offset: int, size: int) -> None:
     if not shape or any(int(d) < 0 for d in shape) or any(int(d) == 0 for d in shape[1:]):
         raise ValueError(f"{path}: shape {shape} is not usable as rows (it needs a first "
                          f"axis and positive sizes)")
-    body = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+    body = dtype.itemsize * math.prod(int(d) for d in shape)  # Python ints: never wraps
     if offset + body != size:
         raise ValueError(f"{path}: the header claims {shape} {dtype} ({body} bytes after "
                          f"{offset} bytes of header), but the file holds {size} bytes")
@@ -216,12 +228,12 @@ def NpyDataset(filenames) -> RecordFiles:
                                else np.lib.format.read_array_header_2_0)
                 shape, fortran, dtype = read_header(handle)
                 offset = handle.tell()
-                _check_npy(path, shape, dtype, offset, os.path.getsize(path))
-                layouts.append((offset, shape, fortran, dtype))
         except FileNotFoundError:
             raise NotFoundError(f".npy file {path} does not exist") from None
-        except ValueError as err:
+        except (ValueError, OverflowError, TypeError, OSError) as err:
             raise ValueError(f"{path} is not a readable .npy file: {err}") from None
+        _check_npy(path, shape, dtype, offset, os.path.getsize(path))
+        layouts.append((offset, shape, fortran, dtype))
     offsets = {offset for offset, *_ in layouts}
     rows_shape = {(shape[1:], dtype) for _, shape, _, dtype in layouts}
     if len(offsets) != 1 or len(rows_shape) != 1 or any(l[2] for l in layouts) or \
@@ -229,7 +241,7 @@ def NpyDataset(filenames) -> RecordFiles:
         raise ValueError(f"NpyDataset needs C-ordered numeric .npy files with one header size, "
                          f"dtype and row shape; got {[(p, l[1], str(l[3])) for p, l in zip(filenames, layouts)]}")
     (row_shape, dtype), = rows_shape
-    record = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
+    record = dtype.itemsize * math.prod(row_shape)
     return RecordFiles(filenames, record, offsets.pop(), 0, dtype, row_shape)
 
 
@@ -264,7 +276,7 @@ class HDF5Rows(RecordFiles):
                              f"{[(p, l[0], str(l[1])) for p, l in zip(self.files, layouts)]}")
         shape, self.dtype = layouts[0]
         self.shape = tuple(shape[1:])
-        self.record_bytes = self.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64))
+        self.record_bytes = self.dtype.itemsize * math.prod(self.shape)
         self._set_rows([layout[0][0] for layout in layouts])
 
     def read_file_rows(self, file_index: int, first: int, stop: int) -> np.ndarray:

@@ -51,6 +51,12 @@ first = manager.save()
 w.assign(np.full(1000, -1.0))
 if scenario == "full":
     ckpt.extra = np.ones(6 << 17)             # 6 MiB more than the 4 MiB file system holds
+elif scenario == "full-many":            # HDF5's own metadata overflows the disk
+    ckpt.extra = {f"v{i}": float(i) for i in range(8000)}
+elif scenario == "fsize-many":           # ... or the file size limit of the rank laying it out
+    ckpt.extra = {f"v{i}": float(i) for i in range(4000)}
+    if world.rank == 0:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1500 << 10, resource.RLIM_INFINITY))
 elif scenario == "readonly":
     if world.rank == 0:
         subprocess.run(["mount", "-o", "remount,ro", directory], check=True)
@@ -102,6 +108,21 @@ def test_full_disk_is_a_named_error_on_every_rank(launch, small_fs, ranks, mode,
     _check_failed_save(out, ranks, {28}, small_fs)
     if preflight == "1":
         assert "bytes free, the checkpoint needs" in out.output, out
+
+
+@ROOT_ONLY
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_many_small_values_overflowing_the_disk_never_crash(launch, small_fs, ranks):
+    out = launch(ranks, MANAGER_JOB, str(small_fs), "full-many", limit=120)
+    _check_failed_save(out, ranks, {5, 27, 28}, small_fs)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_many_small_values_over_the_file_size_limit_never_crash(launch, tmp_path, ranks):
+    for name, data in FOREIGN.items():
+        (tmp_path / name).write_bytes(data)
+    out = launch(ranks, MANAGER_JOB, str(tmp_path), "fsize-many", limit=120)
+    _check_failed_save(out, ranks, {5, 27, 28}, tmp_path)
 
 
 @ROOT_ONLY
@@ -273,3 +294,33 @@ def test_a_stalled_rank_ends_the_save_within_the_collective_timeout(launch, tmp_
     assert "error DeadlineExceededError" in out.output, out
     seconds = int(out.output.split("error DeadlineExceededError ")[1].split()[0])
     assert 3 <= seconds <= 15, out
+
+
+BUSY = """
+import os, subprocess, sys, warnings, numpy as np, mpistrat as ms
+from mpistrat.runtime import get_world
+directory = sys.argv[1]
+world = get_world()
+manager = ms.CheckpointManager(ms.Checkpoint(w=ms.Variable(np.arange(5.0))), directory, 1)
+first = manager.save()
+if world.rank == 0:   # the old file cannot be deleted (EBUSY): clean-up must only warn
+    subprocess.run(["mount", "--bind", first + ".h5", first + ".h5"], check=True)
+world.comm.Barrier()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    second = manager.save()
+    third = manager.save()
+say("saved", world.rank, manager.checkpoints == [third], ms.latest_checkpoint(directory) == third,
+    any("could not delete" in str(w.message) for w in caught) or world.rank != 0)
+if world.rank == 0:
+    subprocess.run(["umount", first + ".h5"], check=True)
+"""
+
+
+@ROOT_ONLY
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_checkpoint_that_cannot_be_deleted_only_warns(launch, tmp_path, ranks):
+    out = launch(ranks, BUSY, str(tmp_path), limit=60)
+    assert out.returncode == 0, out
+    for rank in range(ranks):
+        assert f"saved {rank} True True True" in out.output, out

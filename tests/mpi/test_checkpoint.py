@@ -244,3 +244,15 @@ def test_crafted_files_raise_on_every_rank(world, shared_dir, monkeypatch):
     world.comm.Barrier()
     with pytest.raises(ms.errors.NotFoundError, match=r"part file .* of checkpoint"):
         ckpt.restore(path)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_large_value_in_fewer_partitions_than_ranks_restores_everywhere(world, shared_dir):
+    want = np.arange(200_000, dtype=np.float64)                 # 1.6 MB: one partition
+    ckpt = ms.Checkpoint(w=ms.Variable(want.copy()), big=ms.Variable(np.arange(1_000_000.0)))
+    path = ckpt.save(shared_dir + "/ckpt")
+    ckpt.w.assign(np.zeros_like(want))
+    ckpt.big.assign(np.zeros(1_000_000))
+    ckpt.restore(path).assert_consumed()
+    np.testing.assert_array_equal(ckpt.w.numpy(), want)
+    np.testing.assert_array_equal(ckpt.big.numpy(), np.arange(1_000_000.0))

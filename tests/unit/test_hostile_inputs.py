@@ -285,3 +285,46 @@ def test_standard_hdf5_tools_read_a_checkpoint(tmp_path):
     out = subprocess.run(["h5dump", "-d", "model/w", path + ".h5"], capture_output=True,
                          text=True, check=True).stdout
     assert "mpistrat_partitions" in out and "0, 1, 2, 3, 4" in out, out
+
+
+def test_values_without_an_object_are_not_read_until_one_is_attached(tmp_path):
+    model, ckpt, path = _good(tmp_path)
+    with h5py.File(path + ".h5", "r+") as f:  # 256 MiB claimed, sparse on disk
+        dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+        dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        junk = f.create_dataset("junk", shape=(32 << 20,), dtype="f8", dcpl=dcpl)
+        junk.attrs.update({"mpistrat_kind": "array", "mpistrat_checksums": np.zeros(1, "u4"),
+                           "mpistrat_partitions": np.array([[0, 32 << 20]], dtype=np.int64)})
+    fresh = ms.Checkpoint(model=Model())
+    status = fresh.restore(path)
+    assert status.unmatched_values == {"junk"}
+    assert not any(isinstance(v, np.ndarray) for v in fresh._pending.values())
+    with pytest.raises(ValueError, match=r"'junk'.*float64\[33554432\].*float64\[3\]"):
+        fresh.junk = np.zeros(3)  # checked against the object before anything is read
+
+
+def test_numbers_restore_only_from_scalars_of_their_kind(tmp_path):
+    ms.Checkpoint(step=np.arange(5), lr=3.7, flag=True).write(str(tmp_path / "a"))
+    for name, target, match in [("step", 3, r"'step'.*int64\[5\].*int number"),
+                                ("lr", 3, r"'lr'.*float64\[\].*int number"),
+                                ("flag", 1.0, r"'flag'.*bool\[\].*float number")]:
+        with pytest.raises(ValueError, match=match):
+            ms.Checkpoint(**{name: target}).read(str(tmp_path / "a"))
+    holder = ms.Checkpoint(lr=0.0)
+    holder.read(str(tmp_path / "a")).expect_partial()
+    assert holder.lr == 3.7
+
+
+def test_a_fifo_or_foreign_state_file_is_refused_not_waited_on_or_overwritten(tmp_path):
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "checkpoint")
+    with pytest.raises(DataLossError, match="not a regular file"):
+        ms.latest_checkpoint(str(fifo))
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "checkpoint").write_text("my notes: do not lose\n")
+    with pytest.raises(DataLossError, match="damaged or not a state file"):
+        ms.Checkpoint(w=ms.Variable(np.zeros(2))).save(str(notes / "ckpt"))
+    assert (notes / "checkpoint").read_text() == "my notes: do not lose\n"

@@ -123,6 +123,59 @@ class Cluster:
         return Launched(done.returncode, done.stdout, time.monotonic() - start, command)
 
 
+    def sbatch(self, script, *options, cwd, env=None, timeout=180):
+        """Submit ``script`` from node1, wait for it to leave the queue; (state, output)."""
+        out = Path(cwd) / "slurm-%j.out"
+        done = subprocess.run([str(CLUSTER), "run", "node1", "sbatch", "--parsable",
+                               f"--output={out}", *options, str(script)], cwd=cwd,
+                              env=job_env(env), capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise RuntimeError(f"sbatch failed: {done.stdout}{done.stderr}")
+        job_id = done.stdout.strip().split(";")[0]
+        deadline = time.monotonic() + timeout
+        state = ""
+        while time.monotonic() < deadline:   # polling squeue beats sbatch --wait's 10 s polls
+            state = self.script("run", "head", "squeue", "-h", "-j", job_id, "-o", "%T",
+                                check=False).stdout.strip()
+            if state in ("", "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
+                break
+            time.sleep(0.5)
+        else:
+            self.script("run", "head", "scancel", job_id, check=False)
+            raise TimeoutError(f"Slurm job {job_id} still {state} after {timeout}s")
+        info = self.script("run", "head", "scontrol", "show", "job", job_id, check=False).stdout
+        path = Path(str(out).replace("%j", job_id))
+        return info, path.read_text() if path.exists() else ""
+
+
+def cluster_pids(state: Path):
+    """The pids of the hosts' holders and of the daemons, from the cluster's state files."""
+    pids = []
+    for pattern in ("pids/*", "slurm/*.pid", "munge/*.pid"):
+        for path in state.glob(pattern):
+            text = path.read_text().strip()
+            if text.isdigit():
+                pids.append(int(text))
+    return pids
+
+
+def leftovers(state: Path, pids):
+    """What a cluster left on this machine: network namespaces, state, live processes."""
+    found = [line.split()[0] for line in subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True).stdout.splitlines()
+        if line.startswith("mpistrat-")]
+    if state.exists():
+        found.append(str(state))
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        if "\nState:\tZ" not in status:
+            found.append(f"pid {pid}")
+    return found
+
+
 @pytest.fixture(scope="session")
 def cluster():
     reason = namespaces_refused()
@@ -130,12 +183,16 @@ def cluster():
         pytest.skip(reason)
     handle = Cluster()
     handle.script("down", timeout=60, check=False)   # leftovers of a crashed run
+    pids = []
     try:
         handle.script("up", HOSTS, RANKS_PER_HOST, timeout=300)
         handle.script("slurm-up", timeout=300)
         yield handle
     finally:
+        pids = cluster_pids(handle.state_dir)
         handle.script("down", timeout=120, check=False)
+    left = leftovers(handle.state_dir, pids)
+    assert not left, f"scripts/cluster down left: {left}"
 
 
 @pytest.fixture

@@ -68,7 +68,8 @@ def test_a_stalled_host_makes_the_others_raise_deadline_exceeded(job, launcher):
         assert f"rank {rank} stopping on node2" in result.output, result
     # The ranks of node1 each raise the named error (rank 0's report may be cut short by the
     # abort that the first one starts, so at least one of them must be seen in full).
-    caught = [line for line in result.output.splitlines() if "caught DeadlineExceededError" in line]
+    caught = [line for line in result.output.splitlines()
+              if line.startswith("rank ") and "caught DeadlineExceededError" in line]
     assert caught, result
     for line in caught:
         assert line.startswith(("rank 0 ", "rank 1 ")), line

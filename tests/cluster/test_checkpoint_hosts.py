@@ -119,8 +119,8 @@ RAISES_ONLY_WHERE_MISSING = (
 @pytest.mark.xfail(reason=HANGS_IN_H5F_CREATE, strict=False)
 def test_save_into_a_directory_only_one_host_sees_fails_on_every_rank(job, private_dir):
     # Rank 0 (node1) creates the directory inside node1's tmpfs; node2 never sees it.
-    result = job("mpirun", "2x2", JOB_SAVE_ONLY, private_dir / "run", limit=40,
-                 env={"MPISTRAT_COLLECTIVE_TIMEOUT": "20"})
+    result = job("mpirun", "2x2", JOB_SAVE_ONLY, private_dir / "run", limit=30,
+                 env={"MPISTRAT_COLLECTIVE_TIMEOUT": "15"})
     assert result.returncode != 124, f"the job hung until the time limit: {result}"
     assert result.returncode != 0, result
     assert "saved" not in result.output, result
@@ -136,8 +136,8 @@ def test_restore_from_a_directory_only_one_host_sees_fails_on_every_rank(cluster
     written = job("mpirun", "1x1", JOB_WRITE, shared)
     assert written.returncode == 0, written
     cluster.script("run", "node1", "cp", "-a", shared, private_dir / "copy")
-    result = job("mpirun", "2x2", JOB_RESTORE_NAMED, private_dir / "copy", limit=40,
-                 env={"MPISTRAT_COLLECTIVE_TIMEOUT": "20"})
+    result = job("mpirun", "2x2", JOB_RESTORE_NAMED, private_dir / "copy", limit=30,
+                 env={"MPISTRAT_COLLECTIVE_TIMEOUT": "15"})
     assert result.returncode != 124, f"the job hung until the time limit: {result}"
     assert result.returncode != 0, result
     rows = {row["rank"]: row for row in result.rows()}

@@ -100,3 +100,19 @@ def test_leftovers_of_a_crash_are_named_and_cleared_by_up(cluster):
     cluster.script("slurm-up", timeout=120)
     assert healthy(cluster)
     assert "idle" in cluster.script("status").stdout
+
+
+def test_without_namespace_capabilities_the_tests_skip_with_the_reason(cluster, tmp_path):
+    if not shutil.which("setpriv"):
+        pytest.skip("setpriv (util-linux) is missing")
+    import sys
+    from .conftest import ROOT, job_env
+    done = subprocess.run(
+        ["setpriv", "--bounding-set", "-sys_admin,-net_admin", sys.executable, "-m", "pytest",
+         "-q", "-rs", "--color=no", "-p", "no:cacheprovider",
+         str(ROOT / "tests" / "cluster" / "test_script.py") + "::test_up_again_with_the_same_layout_is_a_no_op"],
+        cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "1 skipped" in done.stdout, done.stdout
+    assert "namespaces are refused here" in done.stdout and "CAP_SYS_ADMIN" in done.stdout
+    assert healthy(cluster)      # the skipped session did not touch the running cluster

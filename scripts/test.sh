@@ -50,8 +50,8 @@ done
 # Several real hosts on this machine (scripts/cluster: head + node1..3 built from Linux
 # namespaces, Open MPI over an rsh agent, Slurm with one slurmd per node). The session fixture
 # brings one cluster up and down; the trap takes it down whatever happens. Where namespaces
-# are refused, these tests skip with the reason. tests/mpi also runs across the hosts
-# (test_conformance.py); its rank-0 logs land in $logs as cluster-*.rank0.log.
+# are refused, these tests skip with the reason. tests/mpi and tests/tpu also run across the
+# hosts (test_conformance.py); their rank-0 logs land in $logs as cluster-*.rank0.log.
 echo "=== multi-host tests (namespace cluster: mpirun over the agent, srun --mpi=pmix, sbatch)"
 trap 'scripts/cluster down >/dev/null 2>&1 || true' EXIT
 MPISTRAT_TEST_LOGS=$PWD/$logs timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no \
@@ -77,7 +77,7 @@ for f in "$logs"/cluster-*.rank0.log; do
     p=$(summary "$f" | grep -oE "[0-9]+ passed" | grep -oE "[0-9]+" || true)
     inner=$((inner + ${p:-0}))
 done
-echo "multi-host tests: ${hosts_line:-none ran}; tests/mpi cases passed across hosts: $inner"
+echo "multi-host tests: ${hosts_line:-none ran}; cases of tests/mpi and tests/tpu passed across hosts: $inner"
 echo "runs that failed:${failed_runs:- none}"
 echo "mpistrat: $passed passed, $failed failed, $skipped skipped"
 [ -z "$failed_runs" ]

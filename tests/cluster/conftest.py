@@ -123,9 +123,11 @@ class Cluster:
         return Launched(done.returncode, done.stdout, time.monotonic() - start, command)
 
 
-    def sbatch(self, script, *options, cwd, env=None, timeout=180):
-        """Submit ``script`` from node1, wait for it to leave the queue; (state, output)."""
-        out = Path(cwd) / "slurm-%j.out"
+    def sbatch(self, script, *options, cwd, out_dir, env=None, timeout=180):
+        """Submit ``script`` from node1 in ``cwd``, wait for it to leave the queue.
+
+        Returns ``scontrol show job``'s text and the job's output (kept in ``out_dir``)."""
+        out = Path(out_dir) / "slurm-%j.out"
         done = subprocess.run([str(CLUSTER), "run", "node1", "sbatch", "--parsable",
                                f"--output={out}", *options, str(script)], cwd=cwd,
                               env=job_env(env), capture_output=True, text=True, timeout=60)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(300)
 def test_demo_template_runs_on_two_nodes(cluster, tmp_path):
     # 2 tasks per node: each namespace node offers the machine's 2 CPUs.
     info, output = cluster.sbatch(ROOT / "slurm" / "demo.sbatch", "--ntasks-per-node=2",
-                                  cwd=ROOT, env={"TMPDIR": str(tmp_path)})
+                                  cwd=ROOT, out_dir=tmp_path)
     assert "JobState=COMPLETED" in info and "ExitCode=0:0" in info, info + output
     assert re.search(r"NodeList=node\[1-2\]", info), info
     lines = sorted(line for line in output.splitlines() if line.startswith("[rank"))
@@ -25,7 +25,8 @@ def test_demo_template_runs_on_two_nodes(cluster, tmp_path):
 def test_tpu_template_trains_and_resumes_on_two_jax_hosts(cluster, tmp_path):
     env = {"RUN_DIR": str(tmp_path / "run")}
     for attempt, resumed in [(1, False), (2, True)]:
-        info, output = cluster.sbatch(ROOT / "slurm" / "tpu_train.sbatch", cwd=ROOT, env=env)
+        info, output = cluster.sbatch(ROOT / "slurm" / "tpu_train.sbatch", cwd=ROOT,
+                                      out_dir=tmp_path, env=env)
         assert "JobState=COMPLETED" in info and "ExitCode=0:0" in info, info + output
         epochs = [line for line in output.splitlines() if line.startswith("epoch ")]
         assert len(epochs) == 2, output

@@ -11,6 +11,7 @@ Run: ``.venv/bin/python -m pytest tests/cluster`` (as root, outside MPI).
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -38,9 +39,14 @@ def namespaces_refused():
     """Why this machine cannot build namespace hosts, or ``None`` when it can."""
     if sys.platform != "linux":
         return "namespace hosts need Linux"
+    probe = "true"
+    if shutil.which("ip"):   # the links that scripts/cluster up makes, in a throwaway namespace
+        probe = ("ip link add mpistrat-b0 type bridge && "
+                 "ip link add mpistrat-v0 type veth peer name mpistrat-v1")
     try:
         done = subprocess.run(["unshare", "--net", "--uts", "--mount", "--propagation",
-                               "private", "true"], capture_output=True, text=True, timeout=20)
+                               "private", "/bin/sh", "-c", probe], capture_output=True, text=True,
+                              timeout=20)
     except (OSError, subprocess.TimeoutExpired) as err:
         return f"unshare is unusable here: {err}"
     if done.returncode != 0:

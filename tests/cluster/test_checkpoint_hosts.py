@@ -143,9 +143,8 @@ def test_restore_from_a_directory_only_one_host_sees_fails_on_every_rank(cluster
     rows = {row["rank"]: row for row in result.rows()}
     assert sorted(rows) == [0, 1, 2, 3], result
     assert not any(row["restored"] for row in rows.values()), result
-    kinds = {row["error"] for row in rows.values()}
-    assert kinds <= {"NotFoundError", "UnavailableError", "AbortedError"}, result
-    for row in rows.values():
+    for row in rows.values():   # a named error: mpistrat's or the OS's, naming the path
+        assert row["named"], row
         assert str(private_dir / "copy") in row["message"], row
 
 
@@ -169,6 +168,7 @@ try:
     say(json.dumps({"rank": rank, "restored": True}))
 except Exception as err:
     say(json.dumps({"rank": rank, "restored": False, "error": type(err).__name__,
+                    "named": isinstance(err, (OSError, ms.errors.OpError)),
                     "message": str(err)}))
     raise
 """

@@ -108,12 +108,13 @@ except Exception as err:
 # Known failures of today's checkpoint layer (its agreement rules are being reworked in
 # mpistrat/checkpoint/); the tests hold the behaviour we want and run under short limits.
 HANGS_IN_H5F_CREATE = (
-    "today: the ranks that cannot see the directory fail inside HDF5's collective file "
-    "creation (MPI-IO open) while the others wait in it; every rank hangs in h5py.File() "
-    "until the time limit, the collective timeout does not cover it")
+    "today: every rank, on both hosts, stays inside h5py.File() (HDF5's collective file "
+    "creation over MPI-IO, checkpoint/h5format.py _write_parallel) until the time limit; "
+    "the directory was never agreed on, and the collective timeout does not cover the call")
 RAISES_ONLY_WHERE_MISSING = (
-    "today: only the ranks that cannot see the file raise NotFoundError (no agreement); "
-    "the ranks that can see it go on reading and are killed by the abort")
+    "today: only the ranks that cannot see the file raise NotFoundError (checkpoint/files.py "
+    "resolve, no agreement); the ranks that can see it go on reading and are killed by the "
+    "abort that the first uncaught error starts, without an error of their own")
 
 
 @pytest.mark.xfail(reason=HANGS_IN_H5F_CREATE, strict=False)

@@ -11,3 +11,4 @@ for n in 1 2 4; do
 done
 XLA_FLAGS=--xla_force_host_platform_device_count=4 \
     scripts/mpirun --limit 900 -n 2 .venv/bin/python benchmarks/tpu_bridge.py | grep -av '^\[Gloo\]'
+benchmarks/hosts.sh   # 2 hosts x 2 ranks on the namespace cluster, unshaped and at 1gbit

@@ -107,17 +107,6 @@ except Exception as err:
 
 # Known failures of today's checkpoint layer (its agreement rules are being reworked in
 # mpistrat/checkpoint/); the tests hold the behaviour we want and run under short limits.
-HANGS_IN_H5F_CREATE = (
-    "today: every rank, on both hosts, stays inside h5py.File() (HDF5's collective file "
-    "creation over MPI-IO, checkpoint/h5format.py _write_parallel) until the time limit; "
-    "the directory was never agreed on, and the collective timeout does not cover the call")
-RAISES_ONLY_WHERE_MISSING = (
-    "today: only the ranks that cannot see the file raise NotFoundError (checkpoint/files.py "
-    "resolve, no agreement); the ranks that can see it go on reading and are killed by the "
-    "abort that the first uncaught error starts, without an error of their own")
-
-
-@pytest.mark.xfail(reason=HANGS_IN_H5F_CREATE, strict=False)
 def test_save_into_a_directory_only_one_host_sees_fails_on_every_rank(job, private_dir):
     # Rank 0 (node1) creates the directory inside node1's tmpfs; node2 never sees it.
     result = job("mpirun", "2x2", JOB_SAVE_ONLY, private_dir / "run", limit=30,
@@ -130,7 +119,6 @@ def test_save_into_a_directory_only_one_host_sees_fails_on_every_rank(job, priva
     assert str(private_dir / "run") in result.output, result
 
 
-@pytest.mark.xfail(reason=RAISES_ONLY_WHERE_MISSING, strict=False)
 def test_restore_from_a_directory_only_one_host_sees_fails_on_every_rank(cluster, job, tmp_path,
                                                                         private_dir):
     shared = tmp_path / "shared"

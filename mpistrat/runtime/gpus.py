@@ -93,8 +93,9 @@ def device_for_rank(devices: Sequence[str], local_rank: int, local_size: int,
     """The device ``MirroredStrategy(devices=...)`` gives to ``local_rank`` (one per rank).
 
     Raises ``ValueError`` naming the disagreement: a count that differs from
-    the ranks of the node, a device named twice, a GPU that is not visible,
-    or CPUs mixed with GPUs.
+    the ranks of the node, a GPU named twice, a GPU that is not visible, or
+    CPUs mixed with GPUs. (Each rank is its own host process, so ``CPU:0``
+    may be named for every rank.)
     """
     parsed = [parse_device(d) for d in devices]
     if len(parsed) != local_size:
@@ -102,7 +103,7 @@ def device_for_rank(devices: Sequence[str], local_rank: int, local_size: int,
             f"MirroredStrategy got {len(parsed)} devices {list(devices)} but {local_size} ranks "
             f"run on this node; mpistrat runs one replica per rank, so launch with "
             f"mpirun -n {len(parsed)} per node (or pass devices=None)")
-    if len(set(parsed)) != len(parsed):
+    if len(set(parsed)) != len(parsed) and any(kind == "GPU" for kind, _ in parsed):
         raise ValueError(f"MirroredStrategy: devices {list(devices)} name a device twice")
     kinds = {kind for kind, _ in parsed}
     if len(kinds) > 1:

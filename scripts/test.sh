@@ -41,6 +41,14 @@ for n in 1 2 3 4; do
     ranks_run "np$n" "$n" tests/mpi
 done
 
+# Simulated multi-node layouts (MPISTRAT_RANKS_PER_NODE): the hierarchical all-reduce chosen by
+# topology at 2 nodes x 2 ranks, 3 nodes x 1 rank, and nodes of 3 + 1 ranks.
+for spec in "2 4 nodes2x2" "1 3 nodes3x1" "3 4 nodes3+1"; do
+    set -- $spec
+    echo "=== hierarchical tests on simulated nodes: $3"
+    MPISTRAT_RANKS_PER_NODE=$1 ranks_run "$3" "$2" tests/mpi/test_hierarchical.py 300 120
+done
+
 # TPUStrategy through the JAX bridge: every rank a JAX host with 4 virtual CPU devices.
 for n in 1 2; do
     echo "=== TPUStrategy tests at $n ranks x 4 JAX CPU devices"
@@ -48,7 +56,7 @@ for n in 1 2; do
 done
 
 passed=0; failed=0; skipped=0
-for f in "$logs/single.log" "$logs"/np?.rank0.log "$logs"/tpu?.rank0.log; do
+for f in "$logs/single.log" "$logs"/np?.rank0.log "$logs"/nodes*.rank0.log "$logs"/tpu?.rank0.log; do
     line=$(summary "$f")
     p=$(grep -oE "[0-9]+ passed" <<<"$line" | grep -oE "[0-9]+" || true)
     x=$(grep -oE "[0-9]+ (failed|errors?)" <<<"$line" | awk '{s += $1} END {print s + 0}')

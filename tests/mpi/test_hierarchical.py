@@ -91,3 +91,36 @@ def test_strategy_reduce_across_simulated_nodes():
     mean = strategy.reduce("MEAN", big, axis=None)
     np.testing.assert_allclose(mean, np.full_like(big, (n - 1) / 2))
     assert strategy.reduce("MAX", np.bool_(rank == n - 1), axis=None)
+
+
+def test_staged_pipeline_over_real_mpi(comm):
+    """The staging pipeline with NumPy for device memory and the real host all-reduce."""
+    from mpistrat.collectives.backends.pipeline import NumpyStager, chunk_ranges, run_pipeline
+    size, rank = comm.Get_size(), comm.Get_rank()
+    device_in = np.arange(3 << 18, dtype=np.float32) + rank       # 3 MiB in 1 MiB chunks
+    device_out = np.empty_like(device_in)
+    host = np.empty_like(device_in)
+    stager = NumpyStager()
+    used = []
+    run_pipeline(stager, device_in, device_out, host,
+                 chunk_ranges(device_in.size, 4, chunk_bytes=1 << 20),
+                 lambda chunk: used.append(chosen_allreduce(comm, chunk, chunk, ReduceOp.SUM,
+                                                            None)))
+    stager.close()
+    expected = size * np.arange(3 << 18, dtype=np.float32) + size * (size - 1) / 2
+    np.testing.assert_array_equal(device_out, expected)
+    assert len(used) == 3
+
+
+@pytest.mark.parametrize("ops", ["ReductionToOneDevice", "HierarchicalCopyAllReduce"])
+def test_cross_device_ops_reduce_correctly(ops):
+    import mpistrat as ms
+    world = get_world()
+    if world.num_nodes > 1:
+        pytest.skip("MirroredStrategy spans one node")
+    strategy = ms.MirroredStrategy(cross_device_ops=getattr(ms.distribute, ops)())
+    n, rank = strategy.num_replicas_in_sync, world.local_rank
+    value = np.full(1 << 18, rank, np.float64)
+    out = strategy.reduce("MEAN", {"v": value, "s": np.float32(rank)}, axis=None)
+    np.testing.assert_allclose(out["v"], (n - 1) / 2)
+    assert out["s"] == np.float32((n - 1) / 2)

@@ -35,6 +35,7 @@ from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.partition import even_ranges
 
 __all__ = ["ring_chunks", "choose_algorithm", "explain_algorithm", "allreduce",
+           "ring_reduce_scatter", "ring_all_gather",
            "RING_THRESHOLD_BYTES", "ALGORITHMS"]
 
 ALGORITHMS = ("auto", "mpi", "ring", "hierarchical", "reduce_broadcast")
@@ -121,31 +122,52 @@ def _exchange(comm, send, dest, recv, source, deadline, what):
 
 
 def _ring_allreduce(comm, send, recv, op, deadline):
-    size, rank = comm.Get_size(), comm.Get_rank()
     src, out = send.reshape(-1), recv.reshape(-1)
+    bounds = ring_chunks(src.size, comm.Get_size())
+    ring_reduce_scatter(comm, src, out, bounds, op, deadline)  # 1. this rank's chunk complete
+    ring_all_gather(comm, out, bounds, deadline)               # 2. every chunk everywhere
+
+
+def ring_reduce_scatter(comm: MPI.Comm, src: np.ndarray, out: np.ndarray,
+                        bounds: List[Tuple[int, int]], op: ReduceOp,
+                        deadline: Optional[Deadline]) -> None:
+    """Ring reduce-scatter of flat ``src`` into flat ``out`` (``src`` may be ``out``).
+
+    ``bounds[r]`` is the contiguous range rank ``r`` owns (any partition, even
+    uneven or empty parts); afterwards ``out[bounds[rank]]`` holds the
+    combination over all ranks, and the rest of ``out`` partial results.
+    Partial sums pass to the right; a chunk is complete after ``size - 1`` steps.
+    """
+    size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:
-        out[...] = src
+        a, b = bounds[0]
+        if src is not out:
+            out[a:b] = src[a:b]
         return
-    bounds = ring_chunks(src.size, size)
     right, left = (rank + 1) % size, (rank - 1) % size
-    scratch = default_pool().take((bounds[0][1] - bounds[0][0],), src.dtype)
+    scratch = default_pool().take((max(b - a for a, b in bounds),), src.dtype)
     combine = _COMBINE[op]
-    what = f"ring all_reduce {op.name}"
-    # 1. Reduce-scatter: pass partial sums to the right; after size-1 steps
-    #    this rank holds the complete result of chunk (rank + 1) % size.
+    what = f"ring reduce-scatter {op.name}"
     for step in range(size - 1):
-        send_chunk, recv_chunk = (rank - step) % size, (rank - step - 1) % size
+        send_chunk, recv_chunk = (rank - step - 1) % size, (rank - step - 2) % size
         a, b = bounds[send_chunk]
         c, d = bounds[recv_chunk]
         outgoing = src[a:b] if step == 0 else out[a:b]
         _exchange(comm, outgoing, right, scratch[:d - c], left, deadline, what)
         combine(src[c:d], scratch[:d - c], out=out[c:d])
-    # 2. All-gather: pass the complete chunks around the ring, straight into place.
+
+
+def ring_all_gather(comm: MPI.Comm, buffer: np.ndarray, bounds: List[Tuple[int, int]],
+                    deadline: Optional[Deadline]) -> None:
+    """Ring all-gather in place: rank ``r`` contributes ``buffer[bounds[r]]``; complete
+    chunks pass to the right, straight into place."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    right, left = (rank + 1) % size, (rank - 1) % size
     for step in range(size - 1):
-        send_chunk, recv_chunk = (rank + 1 - step) % size, (rank - step) % size
+        send_chunk, recv_chunk = (rank - step) % size, (rank - step - 1) % size
         a, b = bounds[send_chunk]
         c, d = bounds[recv_chunk]
-        _exchange(comm, out[a:b], right, out[c:d], left, deadline, what)
+        _exchange(comm, buffer[a:b], right, buffer[c:d], left, deadline, "ring all-gather")
 
 
 def _reduce_broadcast(comm, send, recv, op, deadline):

@@ -31,11 +31,33 @@ __all__ = ["CudaAwareMPI"]
 
 
 class _DeviceMPITransport(hierarchical.MPITransport):
-    """The hierarchical steps on device buffers over a CUDA-aware MPI."""
+    """The hierarchical steps on device buffers over a CUDA-aware MPI (its own collectives,
+    which reduce on the device; our ring combines with host code)."""
 
-    def part(self, count, dtype):
+    def reduce_scatter(self, node_comm, send, recv, bounds, op, deadline):
         import cupy
-        return cupy.empty(count, dtype)
+        counts = [b - a for a, b in bounds]
+        first, last = bounds[node_comm.Get_rank()]
+        part = cupy.empty(last - first, send.dtype)
+        _synchronise()
+        if deadline is None:
+            node_comm.Reduce_scatter(send, part, counts, op.mpi_op)
+        else:
+            wait_all([node_comm.Ireduce_scatter(send, part, counts, op.mpi_op)], deadline,
+                     "hierarchical reduce-scatter")
+        recv[first:last] = part
+        _synchronise()
+
+    def all_gather(self, node_comm, recv, bounds, deadline):
+        counts = [b - a for a, b in bounds]
+        first, last = bounds[node_comm.Get_rank()]
+        part = recv[first:last].copy()
+        _synchronise()
+        spec = [recv, counts]
+        if deadline is None:
+            node_comm.Allgatherv(part, spec)
+        else:
+            wait_all([node_comm.Iallgatherv(part, spec)], deadline, "hierarchical all-gather")
 
 
 _TRANSPORT = _DeviceMPITransport()

@@ -161,29 +161,21 @@ def nccl_comm(comm: MPI.Comm, deadline: Optional[Deadline] = None) -> NcclComm:
 class _NcclTransport(hierarchical.MPITransport):
     """Hierarchical steps 1 and 3 with NCCL inside the node; step 2 staged over MPI."""
 
-    def __init__(self, deadline):
-        self.deadline = deadline
-
-    def part(self, count, dtype):
-        import cupy
-        return cupy.empty(count, dtype)
-
-    def reduce_scatter(self, node_comm, send, part, counts, op, deadline):
+    def reduce_scatter(self, node_comm, send, recv, bounds, op, deadline):
         from cupy.cuda import nccl
         ncomm = nccl_comm(node_comm, deadline)
-        dtype, stream = NCCL_DTYPES[send.dtype.char], ncomm.stream()
-        if len(set(counts)) == 1:
-            ncomm.nccl.reduceScatter(send.data.ptr, part.data.ptr, counts[0], dtype,
-                                     _NCCL_OPS[op], stream)
+        dtype, stream, item = NCCL_DTYPES[send.dtype.char], ncomm.stream(), send.itemsize
+        counts = [b - a for a, b in bounds]
+        first = bounds[ncomm.rank][0]
+        if len(set(counts)) == 1 and bounds[0][0] == 0:
+            ncomm.nccl.reduceScatter(send.data.ptr, recv.data.ptr + first * item, counts[0],
+                                     dtype, _NCCL_OPS[op], stream)
         else:  # uneven parts: one reduce to each part's owner, in one group
             nccl.groupStart()
-            offset = 0
-            for root, count in enumerate(counts):
-                if count:
-                    target = part.data.ptr if root == ncomm.rank else send.data.ptr
-                    ncomm.nccl.reduce(send.data.ptr + offset * send.itemsize, target, count,
+            for root, (a, b) in enumerate(bounds):
+                if b > a:
+                    ncomm.nccl.reduce(send.data.ptr + a * item, recv.data.ptr + a * item, b - a,
                                       dtype, _NCCL_OPS[op], root, stream)
-                offset += count
             nccl.groupEnd()
         ncomm.wait(deadline, "hierarchical reduce-scatter")
 
@@ -192,27 +184,27 @@ class _NcclTransport(hierarchical.MPITransport):
         host_allreduce(cross_comm, host, host, op, deadline, "mpi")
         piece.set(host)
 
-    def all_gather(self, node_comm, part, recv, counts, deadline):
+    def all_gather(self, node_comm, recv, bounds, deadline):
         ncomm = nccl_comm(node_comm, deadline)
-        _gather_bytes(ncomm, part, recv, counts)
+        _gather_in_place(ncomm, recv, bounds)
         ncomm.wait(deadline, "hierarchical all-gather")
 
 
-def _gather_bytes(ncomm: NcclComm, send, recv, counts) -> None:
-    """All-gather of ``counts[r]`` elements from each rank, as bytes (any dtype, uneven)."""
+def _gather_in_place(ncomm: NcclComm, buffer, bounds) -> None:
+    """All-gather in place of flat ``buffer``: rank r contributes ``buffer[bounds[r]]``; as
+    bytes, so any dtype and uneven parts work (a group of broadcasts when uneven)."""
     from cupy.cuda import nccl
-    item, stream = send.itemsize, ncomm.stream()
+    item, stream, base = buffer.itemsize, ncomm.stream(), buffer.data.ptr
+    counts = [b - a for a, b in bounds]
     if len(set(counts)) == 1:
-        ncomm.nccl.allGather(send.data.ptr, recv.data.ptr, counts[0] * item, _UINT8, stream)
+        first = bounds[ncomm.rank][0]
+        ncomm.nccl.allGather(base + first * item, base, counts[0] * item, _UINT8, stream)
         return
     nccl.groupStart()
-    offset = 0
-    for root, count in enumerate(counts):
-        if count:
-            source = send.data.ptr if root == ncomm.rank else recv.data.ptr + offset * item
-            ncomm.nccl.broadcast(source, recv.data.ptr + offset * item, count * item, _UINT8,
-                                 root, stream)
-        offset += count
+    for root, (a, b) in enumerate(bounds):
+        if b > a:
+            ncomm.nccl.broadcast(base + a * item, base + a * item, (b - a) * item, _UINT8, root,
+                                 stream)
     nccl.groupEnd()
 
 
@@ -315,8 +307,12 @@ class NcclBackend(Backend):
             front = cupy.ascontiguousarray(cupy.moveaxis(value, axis, 0))
             row_elems = int(np.prod(front.shape[1:], dtype=np.int64))
             gathered = cupy.empty((sum(rows),) + front.shape[1:], dtype=front.dtype)
-            _gather_bytes(ncomm, front.reshape(-1), gathered.reshape(-1),
-                          [r * row_elems for r in rows])
+            flat = gathered.reshape(-1)
+            offsets = np.concatenate([[0], np.cumsum([r * row_elems for r in rows])]).tolist()
+            bounds = list(zip(offsets[:-1], offsets[1:]))
+            a, b = bounds[ncomm.rank]
+            flat[a:b] = front.reshape(-1)  # this rank's block in place, then share the rest
+            _gather_in_place(ncomm, flat, bounds)
             results.append(cupy.moveaxis(gathered, 0, axis))
         ncomm.wait(deadline, "all_gather")
         return [from_cupy_like(r, a) for r, a in zip(results, arrays)]

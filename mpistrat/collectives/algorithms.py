@@ -43,6 +43,10 @@ ALGORITHMS = ("auto", "mpi", "ring", "hierarchical", "reduce_broadcast")
 # Messages of at least this many bytes use the ring (override with
 # MPISTRAT_RING_THRESHOLD; a negative value turns the ring off).
 RING_THRESHOLD_BYTES = int(os.environ.get("MPISTRAT_RING_THRESHOLD", str(1 << 20)))
+# Across nodes, buffers of at least this many bytes take the hierarchical algorithm; smaller
+# ones MPI's own, which won at 1 MiB on simulated nodes (docs/benchmarks.md).
+HIERARCHICAL_THRESHOLD_BYTES = int(os.environ.get("MPISTRAT_HIERARCHICAL_THRESHOLD",
+                                                  str(4 << 20)))
 _RING_TAG = 0x7269
 
 _COMBINE = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add,
@@ -89,6 +93,9 @@ def explain_algorithm(nbytes: int, comm_size: int, threshold: int = RING_THRESHO
     if max(topology.node_sizes) == 1:
         return "mpi", (f"{topology.describe()}: one rank per node, so there is nothing to "
                        f"combine inside nodes, and the flat ring loses across hosts")
+    if nbytes < HIERARCHICAL_THRESHOLD_BYTES:
+        return "mpi", (f"{topology.describe()}: below {HIERARCHICAL_THRESHOLD_BYTES} B MPI's own "
+                       f"beats three steps")
     return "hierarchical", (f"{topology.describe()}: reduce inside nodes, only 1/local_size "
                             f"of the buffer per rank crosses host links")
 

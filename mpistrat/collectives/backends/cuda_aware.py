@@ -19,8 +19,8 @@ import numpy as np
 from mpistrat.collectives.algorithms import allreduce, explain_algorithm
 from mpistrat.collectives.backends import hierarchical
 from mpistrat.collectives.backends.base import Backend, PlanCache, options_of
-from mpistrat.collectives.backends.staged import (device_buckets, device_unpack,
-                                                  divide_on_device)
+from mpistrat.collectives.backends.staged import (StagedHostMPI, device_buckets,
+                                                  device_unpack, divide_on_device, on_cuda)
 from mpistrat.collectives.deadline import wait_all
 from mpistrat.collectives.options import CommunicationImplementation
 from mpistrat.collectives.reduce_op import ReduceOp
@@ -75,6 +75,7 @@ class CudaAwareMPI(Backend):
 
     def __init__(self):
         self._plans = PlanCache()
+        self._staged = StagedHostMPI()
 
     def usable(self, kind, implementation, caps, topology=None):
         if kind == "numpy":
@@ -96,6 +97,8 @@ class CudaAwareMPI(Backend):
     def all_reduce(self, comm, arrays, op, options, deadline):
         import cupy
         opts = options_of(options)
+        if not all(on_cuda(a) for a in arrays):  # JAX arrays on CPU devices: staged
+            return self._staged.all_reduce(comm, arrays, op, opts, deadline)
         preference = getattr(opts, "algorithm", "auto")
         size = comm.Get_size()
         originals, wires, buckets = device_buckets(arrays, op, opts, self._plans)
@@ -116,6 +119,8 @@ class CudaAwareMPI(Backend):
 
     def all_gather(self, comm, arrays, counts, axis, deadline):
         import cupy
+        if not all(on_cuda(a) for a in arrays):
+            return self._staged.all_gather(comm, arrays, counts, axis, deadline)
         _synchronise()
         results = []
         for array, rows in zip(arrays, counts):
@@ -133,6 +138,8 @@ class CudaAwareMPI(Backend):
 
     def broadcast(self, comm, arrays, root, deadline):
         import cupy
+        if not all(on_cuda(a) for a in arrays):
+            return self._staged.broadcast(comm, arrays, root, deadline)
         _synchronise()
         results = []
         for array in arrays:

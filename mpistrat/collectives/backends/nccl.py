@@ -35,7 +35,7 @@ from mpistrat.collectives.backends import hierarchical
 from mpistrat.collectives.backends.base import Backend, PlanCache, options_of
 from mpistrat.collectives.backends.host import host_allreduce
 from mpistrat.collectives.backends.staged import (StagedHostMPI, device_buckets, device_unpack,
-                                                  divide_on_device)
+                                                  divide_on_device, on_cuda)
 from mpistrat.collectives.deadline import Deadline
 from mpistrat.collectives.options import CommunicationImplementation
 from mpistrat.collectives.reduce_op import ReduceOp
@@ -249,6 +249,8 @@ class NcclBackend(Backend):
         import cupy
         from cupy.cuda import nccl
         opts = options_of(options)
+        if not all(on_cuda(a) for a in arrays):  # JAX arrays on CPU devices: staged
+            return self._staged.all_reduce(comm, arrays, op, opts, deadline)
         if op in (ReduceOp.SUM, ReduceOp.MEAN) and any(a.dtype.char == "?" for a in arrays):
             raise TypeError(f"ReduceOp.{op.name} does not apply to bool tensors; use MIN or MAX")
         native = [i for i, a in enumerate(arrays) if a.dtype.char in NCCL_DTYPES]
@@ -300,6 +302,8 @@ class NcclBackend(Backend):
 
     def all_gather(self, comm, arrays, counts, axis, deadline):
         import cupy
+        if not all(on_cuda(a) for a in arrays):
+            return self._staged.all_gather(comm, arrays, counts, axis, deadline)
         ncomm = nccl_comm(comm, deadline)
         results = []
         for array, rows in zip(arrays, counts):
@@ -320,6 +324,8 @@ class NcclBackend(Backend):
     def broadcast(self, comm, arrays, root, deadline):
         import cupy
         from cupy.cuda import nccl
+        if not all(on_cuda(a) for a in arrays):
+            return self._staged.broadcast(comm, arrays, root, deadline)
         ncomm = nccl_comm(comm, deadline)
         buffers = [cupy.array(as_cupy(a), copy=True, order="C") for a in arrays]
         nccl.groupStart()

@@ -28,7 +28,8 @@ from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.runtime.devices import (array_kind, as_cupy, cupy_available, from_cupy_like,
                                       from_host, jax_on_gpu, to_host)
 
-__all__ = ["StagedHostMPI", "CupyStager", "device_wire", "device_unpack", "divide_on_device"]
+__all__ = ["StagedHostMPI", "CupyStager", "device_wire", "device_unpack", "divide_on_device",
+           "device_buckets", "on_cuda"]
 
 
 class CupyStager:
@@ -153,7 +154,7 @@ class StagedHostMPI(Backend):
 
     def all_reduce(self, comm, arrays, op, options, deadline):
         opts = options_of(options)
-        if not all(_on_cuda(a) for a in arrays):
+        if not all(on_cuda(a) for a in arrays):
             return self._whole(self._host.all_reduce, arrays, comm, op, opts, deadline)
         import cupy
         preference = getattr(opts, "algorithm", "auto")
@@ -190,7 +191,7 @@ class StagedHostMPI(Backend):
         return [from_host(r, like) for r, like in zip(results, arrays)]
 
 
-def _on_cuda(array) -> bool:
+def on_cuda(array) -> bool:
     """Whether ``array`` is CUDA memory CuPy can take (CuPy arrays, JAX GPU arrays, others)."""
     kind = array_kind(array)
     if kind in ("cupy", "cuda"):

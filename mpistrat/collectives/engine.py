@@ -62,8 +62,14 @@ def _as_array(value: Any):
 
 
 def _signature(arrays) -> tuple:
-    """``(dtype, shape)`` per tensor; dtypes as NumPy's short codes (cheap to build)."""
-    return tuple((a.dtype.str, tuple(a.shape)) for a in arrays)
+    """``(dtype, shape)`` per tensor; dtypes as NumPy's short codes (cheap to build), with the
+    array kind for device arrays (ranks that mix NumPy and CuPy would pick different backends)."""
+    return tuple((_dtype_key(a), tuple(a.shape)) for a in arrays)
+
+
+def _dtype_key(array) -> str:
+    return array.dtype.str if type(array) is np.ndarray else \
+        f"{array.dtype.str}@{array_kind(array)}".replace("@numpy", "")
 
 
 _ALL_REDUCE_WHAT = {op: f"all_reduce {op.name}" for op in ReduceOp}
@@ -156,7 +162,7 @@ class CollectiveEngine:
         """
         arrays = [_as_array(v) for v in nest.flatten(value)]
         what = f"all_gather axis={axis}"
-        masked = tuple((a.dtype.str,
+        masked = tuple((_dtype_key(a),
                         tuple(-1 if d == _axis_or_none(axis, a.ndim) else n
                               for d, n in enumerate(a.shape))) for a in arrays)
         opts, deadline = self._begin(what, masked, options)

@@ -89,7 +89,8 @@ def from_cupy_like(result: Any, like: Any) -> Any:
 
 
 def gpu_for_local_rank(local_rank: int, num_gpus: int) -> int:
-    """The GPU a rank binds to: its local rank, wrapped over the visible GPUs."""
+    """The GPU a rank binds to: its local rank, wrapped over the visible GPUs
+    (``runtime.gpus.choose_gpu`` also reads ``CUDA_VISIBLE_DEVICES``)."""
     if num_gpus < 1:
         raise ValueError("gpu_for_local_rank: no GPU is visible")
     return local_rank % num_gpus

@@ -204,28 +204,39 @@ def bind_device(world, devices: Optional[Sequence[str]] = None) -> BoundDevice:
     """
     global _BOUND
     with _LOCK:
-        num_visible = count_gpus()
-        if devices is not None:
-            kind, index = device_for_rank(devices, world.local_rank, world.local_size, num_visible)
-            choice = BoundDevice(kind, index, f"MirroredStrategy(devices=...) entry "
-                                              f"{world.local_rank} of this node")
-        elif num_visible:
-            picked = choose_gpu(world.local_rank, num_visible, os.environ)
-            choice = BoundDevice("GPU", picked.index, picked.reason)
-        else:
-            choice = BoundDevice("CPU", 0, "no GPU visible: the replica is this host")
-        if _BOUND is not None:
-            if devices is not None and choice.name != _BOUND.name:
+        error, choice = None, None
+        try:
+            choice = _choose(world, devices)
+            if _BOUND is not None and devices is not None and choice.name != _BOUND.name:
                 raise ValueError(f"this process is bound to {_BOUND.name} ({_BOUND.reason}); "
                                  f"a strategy cannot move it to {choice.name}")
-            return _BOUND
+        except ValueError as err:
+            error = str(err)
+        if _BOUND is not None and error is None:
+            return _BOUND  # bound once per process; later strategies share the binding
         key = None
-        if choice.kind == "GPU":
+        if error is None and choice.kind == "GPU":
             # the host, not the (possibly simulated) node: simulated nodes share real GPUs
             key = (world.hostname, _use_gpu(choice.index))
-        keys = world.comm.allgather(key)  # small metadata, once per process
-        _BOUND = BoundDevice(choice.kind, choice.index, choice.reason, shared_gpu_ranks(keys), key)
+        rows = world.comm.allgather((key, error))  # small metadata, once per process
+        errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(rows) if e]
+        if errors:  # raised on every rank together, never on one rank alone
+            raise ValueError("device binding failed: " + "; ".join(errors))
+        _BOUND = BoundDevice(choice.kind, choice.index, choice.reason,
+                             shared_gpu_ranks([k for k, _ in rows]), key)
         return _BOUND
+
+
+def _choose(world, devices: Optional[Sequence[str]]) -> BoundDevice:
+    num_visible = count_gpus()
+    if devices is not None:
+        kind, index = device_for_rank(devices, world.local_rank, world.local_size, num_visible)
+        return BoundDevice(kind, index, f"MirroredStrategy(devices=...) entry "
+                                        f"{world.local_rank} of this node")
+    if num_visible:
+        picked = choose_gpu(world.local_rank, num_visible, os.environ)
+        return BoundDevice("GPU", picked.index, picked.reason)
+    return BoundDevice("CPU", 0, "no GPU visible: the replica is this host")
 
 
 def _use_gpu(index: int) -> str:

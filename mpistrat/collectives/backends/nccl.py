@@ -77,9 +77,17 @@ class NcclComm:
         from cupy.cuda import nccl  # CuPy 14: the attribute exists only after this import
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.device = cupy.cuda.Device().id
-        unique_id = nccl.get_unique_id() if self.rank == 0 else None
+        unique_id = None
+        if self.rank == 0:  # a failure here is broadcast too: nobody waits for an id in vain
+            try:
+                unique_id = nccl.get_unique_id()
+            except Exception as err:
+                unique_id = f"ncclGetUniqueId failed on rank 0: {type(err).__name__}: {err}"
         unique_id = comm.bcast(unique_id, root=0)  # 128 bytes of metadata, once
-        made, error = _init(nccl, self.size, unique_id, self.rank, self.device, deadline)
+        if isinstance(unique_id, str):
+            made, error = None, unique_id
+        else:
+            made, error = _init(nccl, self.size, unique_id, self.rank, self.device, deadline)
         errors = comm.allgather(error)
         if any(errors):
             if made is not None:

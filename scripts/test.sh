@@ -16,9 +16,9 @@ summary() {  # the counts in pytest's closing line of log $1
     grep -aE "[0-9]+ (passed|failed|errors?|skipped).* in [0-9.]+s" "$1" | tail -n 1
 }
 
-echo "=== single-process tests (unit, launcher)"
+echo "=== single-process tests (unit, launcher; GPU tests, which skip without a GPU)"
 timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=300 --timeout-method=thread \
-    tests/unit tests/launcher 2>&1 | tee "$logs/single.log" || failed_runs="$failed_runs single"
+    -rs tests/unit tests/launcher tests/gpu 2>&1 | tee "$logs/single.log" || failed_runs="$failed_runs single"
 
 # ranks_run NAME N TESTS [mpirun limit] [pytest timeout]: one multi-rank pytest run; on
 # failure the logs of ranks > 0 are shown. [Gloo] lines are JAX's connection chatter.

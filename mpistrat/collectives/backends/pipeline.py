@@ -89,11 +89,9 @@ class HostBufferPool:
 
     def take(self, nbytes: int) -> np.ndarray:
         with self._lock:
-            fits = [b for b in self._free if b.nbytes >= nbytes]
-            if fits:
-                buffer = min(fits, key=lambda b: b.nbytes)
-                self._free.remove(buffer)
-                return buffer
+            for index, buffer in enumerate(self._free):  # sorted by size: the smallest that fits
+                if buffer.nbytes >= nbytes:
+                    return self._free.pop(index)  # by position: arrays compare element-wise
         self.allocations += 1
         size = 1 << max(12, (nbytes - 1).bit_length())  # powers of two: few distinct sizes
         return self._allocate(size)
@@ -113,7 +111,7 @@ class NumpyStager:
     the order in which they ran (for tests).
     """
 
-    def __init__(self):
+    def __init__(self, itemsize: int = 0):
         self._stream = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self._last = None
         self.log: List[Tuple[str, int, int]] = []

@@ -21,8 +21,8 @@ import numpy as np
 
 from mpistrat.collectives.backends.base import Backend, PlanCache, options_of, wire_dtype
 from mpistrat.collectives.backends.host import HostMPI, host_allreduce
-from mpistrat.collectives.backends.pipeline import (HostBufferPool, chunk_ranges,
-                                                    run_pipeline)
+from mpistrat.collectives.backends.pipeline import (STAGE_CHUNK_BYTES, HostBufferPool,
+                                                    chunk_ranges, run_pipeline)
 from mpistrat.collectives.options import CommunicationImplementation
 from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.runtime.devices import (array_kind, as_cupy, cupy_available, from_cupy_like,
@@ -82,52 +82,60 @@ def _pinned(nbytes: int) -> np.ndarray:
     return cupyx.empty_pinned((nbytes,), np.uint8)
 
 
-def device_wire(array, op, widen_half: bool = True):
-    """A contiguous flat CuPy buffer in the dtype that travels (bool as bytes, half widened
-    where MPI must reduce it; NCCL reduces half precision natively)."""
+def _cupy():
     import cupy
+    return cupy
+
+
+# The device-side helpers take the array module ``xp`` (CuPy by default), so the same code runs
+# with NumPy standing for device memory in the CPU tests.
+
+def device_wire(array, op, widen_half: bool = True, xp=None):
+    """A contiguous flat device buffer in the dtype that travels (bool as bytes, half widened
+    where MPI must reduce it; NCCL reduces half precision natively)."""
+    xp = xp or _cupy()
     dtype = wire_dtype(array.dtype, op)
     if not widen_half and array.dtype.char == "e":
         dtype = array.dtype
-    flat = cupy.ascontiguousarray(array).reshape(-1)
+    flat = xp.ascontiguousarray(array).reshape(-1)
     if array.dtype.char == "?":
-        return flat.view(cupy.uint8)
+        return flat.view(xp.uint8)
     return flat if dtype == array.dtype else flat.astype(dtype)
 
 
-def divide_on_device(buffer, count: int) -> None:
+def divide_on_device(buffer, count: int, xp=None) -> None:
     """MEAN's division on the device (integers truncate toward zero, as TensorFlow's ``Div``)."""
-    import cupy
+    xp = xp or _cupy()
     if buffer.dtype.kind in "fc":
         buffer /= count
     elif buffer.dtype.kind in "iu":
-        buffer[...] = cupy.sign(buffer) * (cupy.abs(buffer) // count)
+        buffer[...] = xp.sign(buffer) * (xp.abs(buffer) // count)
     else:
         raise TypeError(f"ReduceOp.MEAN cannot average {buffer.dtype} values")
 
 
-def device_unpack(flat, members, originals, wires, results) -> None:
+def device_unpack(flat, members, originals, wires, results, xp=None) -> None:
     """Views of a reduced flat buffer, reshaped and cast back to each original dtype."""
-    import cupy
+    xp = xp or _cupy()
     for index, start, stop in members:
         original = originals[index]
         piece = flat[start:stop].reshape(original.shape)
         if wires[index].dtype != original.dtype:
-            piece = piece.view(cupy.bool_) if original.dtype.char == "?" \
+            piece = piece.view(xp.bool_) if original.dtype.char == "?" \
                 else piece.astype(original.dtype)
         results[index] = piece
 
 
-def device_buckets(arrays, op, options, plans: PlanCache, widen_half: bool = True):
-    """Pack the fusion buckets of CuPy arrays on the device: ``(bucket send buffer, members)``."""
-    import cupy
-    originals = [as_cupy(a) for a in arrays]
-    wires = [device_wire(a, op, widen_half) for a in originals]
+def device_buckets(arrays, op, options, plans: PlanCache, widen_half: bool = True, xp=None):
+    """Pack the fusion buckets on the device: ``(originals, wires, [(send buffer, members)])``."""
+    xp = xp or _cupy()
+    originals = [as_cupy(a) for a in arrays] if xp is not np else list(arrays)
+    wires = [device_wire(a, op, widen_half, xp) for a in originals]
     plan = plans.get([w.shape for w in wires], [w.dtype.str for w in wires],
                      [w.nbytes for w in wires], options.pack_bytes)
     buckets = []
     for bucket, count, members in plan:
-        send = cupy.concatenate([wires[i] for i in bucket.indices]) if bucket.fused \
+        send = xp.concatenate([wires[i] for i in bucket.indices]) if bucket.fused \
             else wires[bucket.indices[0]]
         buckets.append((send, members))
     return originals, wires, buckets
@@ -156,27 +164,39 @@ class StagedHostMPI(Backend):
         opts = options_of(options)
         if not all(on_cuda(a) for a in arrays):
             return self._whole(self._host.all_reduce, arrays, comm, op, opts, deadline)
-        import cupy
-        preference = getattr(opts, "algorithm", "auto")
+        results = self.pipelined_all_reduce(comm, arrays, op, opts, deadline, _cupy(),
+                                            CupyStager, self._pinned)
+        return [from_cupy_like(r, a) for r, a in zip(results, arrays)]
+
+    def pipelined_all_reduce(self, comm, arrays, op, options, deadline, xp, make_stager,
+                             pool: HostBufferPool, chunk_bytes: int = STAGE_CHUNK_BYTES) -> List:
+        """Fuse on the device, then each bucket down, across and up in overlapped chunks.
+
+        ``xp``/``make_stager``/``pool``: CuPy, ``CupyStager`` and pinned memory on GPUs;
+        NumPy, ``NumpyStager`` and plain memory in the CPU tests.
+        """
+        preference = getattr(options, "algorithm", "auto")
         size = comm.Get_size()
-        originals, wires, buckets = device_buckets(arrays, op, opts, self._plans)
+        originals, wires, buckets = device_buckets(arrays, op, options, self._plans, xp=xp)
         results: List = [None] * len(arrays)
         for send, members in buckets:
             # 1. down in chunks, 2. host all-reduce each chunk, 3. up, overlapped (pipeline.py)
-            out = cupy.empty_like(send)
-            host = self._pinned.take(send.nbytes)
+            out = xp.empty_like(send)
+            host = pool.take(send.nbytes)
+            stager = make_stager(send.itemsize)
             try:
                 view = host[:send.nbytes].view(send.dtype)
-                run_pipeline(CupyStager(send.itemsize), send, out, view,
-                             chunk_ranges(send.size, send.itemsize),
+                run_pipeline(stager, send, out, view,
+                             chunk_ranges(send.size, send.itemsize, chunk_bytes),
                              lambda chunk: host_allreduce(comm, chunk, chunk, op, deadline,
                                                           preference))
             finally:
-                self._pinned.give(host)
+                pool.give(host)
+                getattr(stager, "close", lambda: None)()
             if op is ReduceOp.MEAN:
-                divide_on_device(out, size)
-            device_unpack(out, members, originals, wires, results)
-        return [from_cupy_like(r, a) for r, a in zip(results, arrays)]
+                divide_on_device(out, size, xp)
+            device_unpack(out, members, originals, wires, results, xp)
+        return results
 
     def all_gather(self, comm, arrays, counts, axis, deadline):
         return self._whole(self._host.all_gather, arrays, comm, counts, axis, deadline)

@@ -23,7 +23,7 @@ from mpistrat.collectives.options import CommunicationImplementation, Communicat
 from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.errors import InvalidArgumentError
 
-__all__ = ["Backend", "DeviceBufferRefused", "refuse_device_buffers", "wire_dtype",
+__all__ = ["Backend", "DeviceBufferRefused", "refuse_device_buffers", "wire_dtype", "movable",
            "plan_members", "PlanCache", "options_of"]
 
 
@@ -57,6 +57,18 @@ def wire_dtype(dtype: np.dtype, op: Optional[ReduceOp]) -> np.dtype:
     if char == "e" and op is not None:  # MPI has no half precision: reduce in float32
         return np.dtype(np.float32)
     return dtype
+
+
+_MPI_CHARS = set("?bBhHiIlLqQfdgFDG")  # NumPy types that MPI moves natively
+
+
+def movable(array):
+    """``array`` as MPI can move it unchanged: a type MPI lacks (half precision, bfloat16)
+    travels as unsigned integers of its size, bit for bit (for gathers and broadcasts)."""
+    if array.dtype.char in _MPI_CHARS:
+        return array
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(array.dtype.itemsize)
+    return array.view(unsigned) if unsigned is not None else array
 
 
 def options_of(options: Any) -> CommunicationOptions:

@@ -18,7 +18,7 @@ import numpy as np
 
 from mpistrat.collectives.algorithms import allreduce, explain_algorithm
 from mpistrat.collectives.backends import hierarchical
-from mpistrat.collectives.backends.base import Backend, PlanCache, options_of
+from mpistrat.collectives.backends.base import Backend, PlanCache, movable, options_of
 from mpistrat.collectives.backends.staged import (StagedHostMPI, device_buckets,
                                                   device_unpack, divide_on_device, on_cuda)
 from mpistrat.collectives.deadline import wait_all
@@ -34,25 +34,27 @@ class _DeviceMPITransport(hierarchical.MPITransport):
     """The hierarchical steps on device buffers over a CUDA-aware MPI (its own collectives,
     which reduce on the device; our ring combines with host code)."""
 
+    def __init__(self, xp):
+        self.xp = xp
+
     def reduce_scatter(self, node_comm, send, recv, bounds, op, deadline):
-        import cupy
         counts = [b - a for a, b in bounds]
         first, last = bounds[node_comm.Get_rank()]
-        part = cupy.empty(last - first, send.dtype)
-        _synchronise()
+        part = self.xp.empty(last - first, send.dtype)
+        _synchronise(self.xp)
         if deadline is None:
             node_comm.Reduce_scatter(send, part, counts, op.mpi_op)
         else:
             wait_all([node_comm.Ireduce_scatter(send, part, counts, op.mpi_op)], deadline,
                      "hierarchical reduce-scatter")
         recv[first:last] = part
-        _synchronise()
+        _synchronise(self.xp)
 
     def all_gather(self, node_comm, recv, bounds, deadline):
         counts = [b - a for a, b in bounds]
         first, last = bounds[node_comm.Get_rank()]
         part = recv[first:last].copy()
-        _synchronise()
+        _synchronise(self.xp)
         spec = [recv, counts]
         if deadline is None:
             node_comm.Allgatherv(part, spec)
@@ -60,22 +62,40 @@ class _DeviceMPITransport(hierarchical.MPITransport):
             wait_all([node_comm.Iallgatherv(part, spec)], deadline, "hierarchical all-gather")
 
 
-_TRANSPORT = _DeviceMPITransport()
-
-
-def _synchronise() -> None:
-    import cupy
-    cupy.cuda.get_current_stream().synchronize()
+def _synchronise(xp) -> None:
+    """MPI reads device memory outside CUDA's stream order: finish the producing work first."""
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
 
 
 class CudaAwareMPI(Backend):
-    """CuPy (and JAX GPU) buffers straight to a CUDA-aware MPI."""
+    """CuPy (and JAX GPU) buffers straight to a CUDA-aware MPI.
+
+    ``xp``: the array module of device memory (CuPy; NumPy stands for it in CPU tests).
+    """
 
     name = "cuda-aware-mpi"
 
-    def __init__(self):
+    def __init__(self, xp=None):
         self._plans = PlanCache()
         self._staged = StagedHostMPI()
+        self._xp = xp
+
+    @property
+    def xp(self):
+        if self._xp is None:
+            import cupy
+            self._xp = cupy
+        return self._xp
+
+    def _device(self, array):
+        return array if self.xp is np else as_cupy(array)
+
+    def _back(self, result, like):
+        return result if self.xp is np else from_cupy_like(result, like)
+
+    def _on_device(self, arrays) -> bool:
+        return self.xp is np or all(on_cuda(a) for a in arrays)
 
     def usable(self, kind, implementation, caps, topology=None):
         if kind == "numpy":
@@ -95,59 +115,57 @@ class CudaAwareMPI(Backend):
         return algorithm, why
 
     def all_reduce(self, comm, arrays, op, options, deadline):
-        import cupy
-        opts = options_of(options)
-        if not all(on_cuda(a) for a in arrays):  # JAX arrays on CPU devices: staged
+        xp, opts = self.xp, options_of(options)
+        if not self._on_device(arrays):  # JAX arrays on CPU devices: staged
             return self._staged.all_reduce(comm, arrays, op, opts, deadline)
         preference = getattr(opts, "algorithm", "auto")
         size = comm.Get_size()
-        originals, wires, buckets = device_buckets(arrays, op, opts, self._plans)
-        _synchronise()  # MPI reads device memory outside CUDA's stream order
+        originals, wires, buckets = device_buckets(arrays, op, opts, self._plans, xp=xp)
+        _synchronise(xp)
         results: List = [None] * len(arrays)
         for send, members in buckets:
-            out = cupy.empty_like(send)
+            out = xp.empty_like(send)
             topology = comm_topology(comm, deadline) if size > 1 else None
             algorithm = self.algorithm_for(send.nbytes, size, topology, preference)[0]
             if algorithm == "hierarchical":
-                hierarchical.run(comm, send, out, op, deadline, _TRANSPORT)
+                hierarchical.run(comm, send, out, op, deadline, _DeviceMPITransport(xp))
             else:
                 allreduce(comm, send, out, op, deadline, algorithm)
             if op is ReduceOp.MEAN:
-                divide_on_device(out, size)
-            device_unpack(out, members, originals, wires, results)
-        return [from_cupy_like(r, a) for r, a in zip(results, arrays)]
+                divide_on_device(out, size, xp)
+            device_unpack(out, members, originals, wires, results, xp)
+        return [self._back(r, a) for r, a in zip(results, arrays)]
 
     def all_gather(self, comm, arrays, counts, axis, deadline):
-        import cupy
-        if not all(on_cuda(a) for a in arrays):
+        xp = self.xp
+        if not self._on_device(arrays):
             return self._staged.all_gather(comm, arrays, counts, axis, deadline)
-        _synchronise()
+        _synchronise(xp)
         results = []
         for array, rows in zip(arrays, counts):
-            value = as_cupy(array)
-            front = cupy.ascontiguousarray(cupy.moveaxis(value, axis, 0))
+            front = xp.ascontiguousarray(xp.moveaxis(self._device(array), axis, 0))
             row_elems = int(np.prod(front.shape[1:], dtype=np.int64))
-            gathered = cupy.empty((sum(rows),) + front.shape[1:], dtype=front.dtype)
-            spec = [gathered, [r * row_elems for r in rows]]
+            gathered = xp.empty((sum(rows),) + front.shape[1:], dtype=front.dtype)
+            _synchronise(xp)
+            spec = [movable(gathered), [r * row_elems for r in rows]]
             if deadline is None:
-                comm.Allgatherv(front, spec)
+                comm.Allgatherv(movable(front), spec)
             else:
-                wait_all([comm.Iallgatherv(front, spec)], deadline, "all_gather")
-            results.append(from_cupy_like(cupy.moveaxis(gathered, 0, axis), array))
+                wait_all([comm.Iallgatherv(movable(front), spec)], deadline, "all_gather")
+            results.append(self._back(xp.moveaxis(gathered, 0, axis), array))
         return results
 
     def broadcast(self, comm, arrays, root, deadline):
-        import cupy
-        if not all(on_cuda(a) for a in arrays):
+        xp = self.xp
+        if not self._on_device(arrays):
             return self._staged.broadcast(comm, arrays, root, deadline)
-        _synchronise()
         results = []
         for array in arrays:
-            buffer = cupy.array(as_cupy(array), copy=True, order="C")
-            cupy.cuda.get_current_stream().synchronize()
+            buffer = xp.array(self._device(array), copy=True, order="C")
+            _synchronise(xp)
             if deadline is None:
-                comm.Bcast(buffer, root=root)
+                comm.Bcast(movable(buffer), root=root)
             else:
-                wait_all([comm.Ibcast(buffer, root=root)], deadline, "broadcast")
-            results.append(from_cupy_like(buffer, array))
+                wait_all([comm.Ibcast(movable(buffer), root=root)], deadline, "broadcast")
+            results.append(self._back(buffer, array))
         return results

@@ -19,7 +19,7 @@ import numpy as np
 
 from mpistrat.collectives.algorithms import RING_THRESHOLD_BYTES, allreduce, choose_algorithm
 from mpistrat.collectives.backends import hierarchical
-from mpistrat.collectives.backends.base import (Backend, PlanCache, options_of,
+from mpistrat.collectives.backends.base import (Backend, PlanCache, movable, options_of,
                                                 refuse_device_buffers, wire_dtype)
 from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import wait_all
@@ -129,11 +129,11 @@ class HostMPI(Backend):
             row_elems = int(np.prod(front.shape[1:], dtype=np.int64))
             gathered = np.empty((sum(rows),) + front.shape[1:], dtype=front.dtype)
             # 2. variable-count gather in rank order
-            spec = [gathered, [r * row_elems for r in rows]]
+            spec = [movable(gathered), [r * row_elems for r in rows]]
             if deadline is None:
-                comm.Allgatherv(front, spec)
+                comm.Allgatherv(movable(front), spec)
             else:
-                wait_all([comm.Iallgatherv(front, spec)], deadline, "all_gather")
+                wait_all([comm.Iallgatherv(movable(front), spec)], deadline, "all_gather")
             # 3. put the axis back where it was
             results.append(np.moveaxis(gathered, 0, axis))
         return results
@@ -144,8 +144,8 @@ class HostMPI(Backend):
         for array in arrays:
             buffer = np.array(array, copy=True, order="C")
             if deadline is None:
-                comm.Bcast(buffer, root=root)
+                comm.Bcast(movable(buffer), root=root)
             else:
-                wait_all([comm.Ibcast(buffer, root=root)], deadline, "broadcast")
+                wait_all([comm.Ibcast(movable(buffer), root=root)], deadline, "broadcast")
             results.append(buffer)
         return results

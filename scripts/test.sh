@@ -25,7 +25,7 @@ timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no -p no:cacheprovider -
 ranks_run() {
     local name=$1 n=$2 tests=$3 limit=${4:-900} timeout=${5:-120}
     scripts/mpirun --limit "$limit" -n "$n" "$PY" scripts/rank_pytest.py "$logs/$name" \
-        -q --color=no -p no:cacheprovider --timeout="$timeout" --timeout-method=thread "$tests" 2>&1 \
+        -q --color=no -p no:cacheprovider --timeout="$timeout" --timeout-method=thread $tests 2>&1 \
         | grep -av '^\[Gloo\]' | tee "$logs/$name.rank0.log"
     if [ "${PIPESTATUS[0]}" -ne 0 ]; then
         failed_runs="$failed_runs $name"
@@ -46,7 +46,7 @@ done
 for spec in "2 4 nodes2x2" "1 3 nodes3x1" "3 4 nodes3+1"; do
     set -- $spec
     echo "=== hierarchical tests on simulated nodes: $3"
-    MPISTRAT_RANKS_PER_NODE=$1 ranks_run "$3" "$2" tests/mpi/test_hierarchical.py 300 120
+    MPISTRAT_RANKS_PER_NODE=$1 ranks_run "$3" "$2" "tests/mpi/test_hierarchical.py tests/mpi/test_staged_backend.py" 300 120
 done
 
 # TPUStrategy through the JAX bridge: every rank a JAX host with 4 virtual CPU devices.

@@ -310,7 +310,8 @@ class NcclBackend(Backend):
 
     def all_gather(self, comm, arrays, counts, axis, deadline):
         import cupy
-        if not all(on_cuda(a) for a in arrays):
+        if not all(on_cuda(a) for a in arrays) or comm_topology(comm, deadline).gpu_shared:
+            # (ranks of different simulated nodes sharing a GPU cannot form one NCCL comm)
             return self._staged.all_gather(comm, arrays, counts, axis, deadline)
         ncomm = nccl_comm(comm, deadline)
         results = []
@@ -332,7 +333,7 @@ class NcclBackend(Backend):
     def broadcast(self, comm, arrays, root, deadline):
         import cupy
         from cupy.cuda import nccl
-        if not all(on_cuda(a) for a in arrays):
+        if not all(on_cuda(a) for a in arrays) or comm_topology(comm, deadline).gpu_shared:
             return self._staged.broadcast(comm, arrays, root, deadline)
         ncomm = nccl_comm(comm, deadline)
         buffers = [cupy.array(as_cupy(a), copy=True, order="C") for a in arrays]

@@ -246,7 +246,7 @@ class NcclBackend(Backend):
             return "nccl", "one rank"
         if preference == "hierarchical":
             return "hierarchical", "asked for (hierarchical) by cross_device_ops"
-        if topology is not None and topology.gpu_shared:
+        if topology is not None and topology.gpu_shared and not topology.gpu_shared_in_node:
             return "hierarchical", ("ranks on different (simulated) nodes share a GPU: NCCL "
                                     "inside each node, MPI across")
         if preference == "reduce_broadcast":

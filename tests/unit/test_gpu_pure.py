@@ -251,3 +251,18 @@ def test_cross_device_ops_map_to_backends_and_algorithms():
             implementation="NCCL"))
     with pytest.raises(ValueError, match="cross_device_ops must be"):
         ms.MirroredStrategy(cross_device_ops="nccl")
+
+
+@pytest.mark.parametrize("module", [
+    "mpistrat.runtime.gpus", "mpistrat.collectives.topology", "mpistrat.collectives.algorithms",
+    "mpistrat.collectives.backends", "mpistrat.collectives.backends.base",
+    "mpistrat.collectives.backends.host", "mpistrat.collectives.backends.pipeline",
+    "mpistrat.collectives.backends.hierarchical", "mpistrat.collectives.backends.staged",
+    "mpistrat.collectives.backends.cuda_aware", "mpistrat.collectives.backends.nccl",
+    "mpistrat.collectives.backends.describe", "mpistrat.distribute.cross_device_ops",
+    "mpistrat.config"])
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.failed == 0 and result.attempted > 0

@@ -204,26 +204,27 @@ def bind_device(world, devices: Optional[Sequence[str]] = None) -> BoundDevice:
     """
     global _BOUND
     with _LOCK:
+        if _BOUND is not None and devices is None:
+            return _BOUND  # bound once per process (on every rank alike); strategies share it
         error, choice = None, None
         try:
             choice = _choose(world, devices)
-            if _BOUND is not None and devices is not None and choice.name != _BOUND.name:
+            if _BOUND is not None and choice.name != _BOUND.name:
                 raise ValueError(f"this process is bound to {_BOUND.name} ({_BOUND.reason}); "
                                  f"a strategy cannot move it to {choice.name}")
         except ValueError as err:
             error = str(err)
-        if _BOUND is not None and error is None:
-            return _BOUND  # bound once per process; later strategies share the binding
         key = None
-        if error is None and choice.kind == "GPU":
+        if error is None and choice.kind == "GPU" and _BOUND is None:
             # the host, not the (possibly simulated) node: simulated nodes share real GPUs
             key = (world.hostname, _use_gpu(choice.index))
-        rows = world.comm.allgather((key, error))  # small metadata, once per process
+        rows = world.comm.allgather((key, error))  # small metadata, agreed on every rank
         errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(rows) if e]
         if errors:  # raised on every rank together, never on one rank alone
             raise ValueError("device binding failed: " + "; ".join(errors))
-        _BOUND = BoundDevice(choice.kind, choice.index, choice.reason,
-                             shared_gpu_ranks([k for k, _ in rows]), key)
+        if _BOUND is None:
+            _BOUND = BoundDevice(choice.kind, choice.index, choice.reason,
+                                 shared_gpu_ranks([k for k, _ in rows]), key)
         return _BOUND
 
 

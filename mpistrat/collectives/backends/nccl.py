@@ -32,7 +32,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.collectives.backends import hierarchical
-from mpistrat.collectives.backends.base import Backend, PlanCache, options_of
+from mpistrat.collectives.backends.base import Backend, PlanCache, options_of, wire_dtype
 from mpistrat.collectives.backends.host import host_allreduce
 from mpistrat.collectives.backends.staged import (StagedHostMPI, device_buckets, device_unpack,
                                                   divide_on_device, on_cuda)
@@ -189,8 +189,9 @@ class _NcclTransport(hierarchical.MPITransport):
 
     def cross_allreduce(self, cross_comm, piece, op, deadline):
         host = piece.get()  # waits for the stream: the piece is complete
-        host_allreduce(cross_comm, host, host, op, deadline, "mpi")
-        piece.set(host)
+        wire = host.astype(wire_dtype(host.dtype, op))  # MPI has no half precision
+        host_allreduce(cross_comm, wire, wire, op, deadline, "mpi")
+        piece.set(wire.astype(host.dtype, copy=False))
 
     def all_gather(self, node_comm, recv, bounds, deadline):
         ncomm = nccl_comm(node_comm, deadline)

@@ -2,8 +2,9 @@
 # GPU check for a machine with one NVIDIA GPU: scripts/gpu_check.sh PYTHON
 #
 # PYTHON must hold mpi4py, NumPy, CuPy (JAX and h5py optional), as on the GPU machine of
-# DESIGN.md section 5; nothing is installed. pytest, when PYTHON lacks it, is taken from
-# this checkout's .venv (pure-Python packages only). Parts, one summary line each:
+# DESIGN.md section 5; nothing is installed. pytest and pytest-mpi, when PYTHON lacks them,
+# are taken (pure-Python packages only) from $MPISTRAT_PYTEST_LIB, a site-packages directory,
+# or else from this checkout's .venv. Parts, one summary line each:
 #   1. GPU tests at 1 rank                 (NCCL path)
 #   2. GPU tests at 2 ranks on the one GPU (staged path: NCCL refuses a shared GPU)
 #   3. GPU tests at 2 simulated nodes x 1  (hierarchical: NCCL in each node, MPI across)
@@ -22,7 +23,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 unset MPISTRAT_RANKS_PER_NODE
 
 if ! "$PY" -c "import pytest, pytest_mpi" 2>/dev/null; then
-    lib=$(ls -d "$PWD"/.venv/lib/python3*/site-packages 2>/dev/null | head -n 1)
+    lib=${MPISTRAT_PYTEST_LIB:-$(ls -d "$PWD"/.venv/lib/python3*/site-packages 2>/dev/null | head -n 1)}
     mkdir -p "$out/pylib"
     for p in pytest _pytest pluggy iniconfig packaging py.py pytest_timeout.py pytest_mpi; do
         [ -e "$lib/$p" ] && cp -r "$lib/$p" "$out/pylib/"

@@ -16,7 +16,10 @@ def info() -> dict:
 
     from mpistrat.checkpoint.h5write import checkpoint_mode
     from mpistrat.runtime import get_world
+    from mpistrat.collectives.backends.describe import describe_backends
+    from mpistrat.collectives.topology import comm_topology
     from mpistrat.runtime.devices import cuda_aware_mpi, nccl_available
+    from mpistrat.runtime.gpus import count_gpus
 
     world = get_world()
     return {
@@ -29,6 +32,9 @@ def info() -> dict:
         "checkpoint_mode": checkpoint_mode(),
         "cuda_aware_mpi": cuda_aware_mpi()[1], "nccl": nccl_available()[1],
         "jax": _version("jax"),  # for TPUStrategy; read from metadata, JAX is not started
+        "gpus": count_gpus(),
+        # which backend and algorithm each array kind and size would get, and why
+        "backends": describe_backends(world.size, comm_topology(world.comm)),
     }
 
 

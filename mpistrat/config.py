@@ -1,12 +1,15 @@
-"""``ms.config``: connecting to a cluster.
+"""``ms.config``: connecting to a cluster, and the devices this process sees.
 
     >>> import mpistrat as ms
     >>> ms.config.experimental_connect_to_cluster(ms.cluster_resolver.MPIClusterResolver())
+    >>> ms.config.list_physical_devices("CPU")
+    [PhysicalDevice(name='/physical_device:CPU:0', device_type='CPU')]
 """
 
 from mpistrat.runtime import get_world
+from mpistrat.runtime.gpus import PhysicalDevice, list_physical_devices
 
-__all__ = ["experimental_connect_to_cluster"]
+__all__ = ["experimental_connect_to_cluster", "list_physical_devices", "PhysicalDevice"]
 
 _connected = []
 

@@ -12,3 +12,14 @@ done
 XLA_FLAGS=--xla_force_host_platform_device_count=4 \
     scripts/mpirun --limit 900 -n 2 .venv/bin/python benchmarks/tpu_bridge.py | grep -av '^\[Gloo\]'
 benchmarks/hosts.sh   # 2 hosts x 2 ranks on the namespace cluster, unshaped and at 1gbit
+# Hierarchical vs flat ring vs raw MPI.Allreduce: simulated nodes here; the launcher can come
+# from outside (MPISTRAT_BENCH_LAUNCH, e.g. the namespace cluster's mpirun with a hostfile).
+if [ -n "${MPISTRAT_BENCH_LAUNCH:-}" ]; then  # real hosts: their own layout
+    $MPISTRAT_BENCH_LAUNCH .venv/bin/python benchmarks/hierarchical.py
+else
+    for spec in "2 4" "1 3" "3 4"; do
+        set -- $spec
+        MPISTRAT_RANKS_PER_NODE=$1 scripts/mpirun --limit 900 -n "$2" .venv/bin/python \
+            benchmarks/hierarchical.py
+    done
+fi

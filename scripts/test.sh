@@ -16,16 +16,21 @@ summary() {  # the counts in pytest's closing line of log $1
     grep -aE "[0-9]+ (passed|failed|errors?|skipped).* in [0-9.]+s" "$1" | tail -n 1
 }
 
-echo "=== single-process tests (unit, launcher)"
+echo "=== single-process tests (unit, launcher; then GPU tests, which skip without a GPU)"
 timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=300 --timeout-method=thread \
     tests/unit tests/launcher 2>&1 | tee "$logs/single.log" || failed_runs="$failed_runs single"
+
+# GPU tests: on a machine without CuPy and a GPU each one is skipped, with the reason shown
+# (a pytest run of its own: tests/launcher imports its conftest by name).
+timeout --kill-after=15 300 "$PY" -m pytest -q -rs --color=no -p no:cacheprovider --timeout=120 \
+    tests/gpu 2>&1 | tee "$logs/gpu.log" || failed_runs="$failed_runs gpu"
 
 # ranks_run NAME N TESTS [mpirun limit] [pytest timeout]: one multi-rank pytest run; on
 # failure the logs of ranks > 0 are shown. [Gloo] lines are JAX's connection chatter.
 ranks_run() {
     local name=$1 n=$2 tests=$3 limit=${4:-900} timeout=${5:-120}
     scripts/mpirun --limit "$limit" -n "$n" "$PY" scripts/rank_pytest.py "$logs/$name" \
-        -q --color=no -p no:cacheprovider --timeout="$timeout" --timeout-method=thread "$tests" 2>&1 \
+        -q --color=no -p no:cacheprovider --timeout="$timeout" --timeout-method=thread $tests 2>&1 \
         | grep -av '^\[Gloo\]' | tee "$logs/$name.rank0.log"
     if [ "${PIPESTATUS[0]}" -ne 0 ]; then
         failed_runs="$failed_runs $name"
@@ -39,6 +44,14 @@ ranks_run() {
 for n in 1 2 3 4; do
     echo "=== multi-rank tests at $n ranks"
     ranks_run "np$n" "$n" tests/mpi
+done
+
+# Simulated multi-node layouts (MPISTRAT_RANKS_PER_NODE): the hierarchical all-reduce chosen by
+# topology at 2 nodes x 2 ranks, 3 nodes x 1 rank, and nodes of 3 + 1 ranks.
+for spec in "2 4 nodes2x2" "1 3 nodes3x1" "3 4 nodes3+1"; do
+    set -- $spec
+    echo "=== hierarchical tests on simulated nodes: $3"
+    MPISTRAT_RANKS_PER_NODE=$1 ranks_run "$3" "$2" "tests/mpi/test_hierarchical.py tests/mpi/test_staged_backend.py" 300 120
 done
 
 # TPUStrategy through the JAX bridge: every rank a JAX host with 4 virtual CPU devices.
@@ -60,8 +73,8 @@ MPISTRAT_TEST_LOGS=$PWD/$logs timeout --kill-after=15 1200 "$PY" -m pytest -q --
 scripts/cluster down >/dev/null 2>&1 || true
 
 passed=0; failed=0; skipped=0
-for f in "$logs/single.log" "$logs"/np?.rank0.log "$logs"/tpu?.rank0.log \
-         "$logs/cluster.log" "$logs"/cluster-*.rank0.log; do
+for f in "$logs/single.log" "$logs/gpu.log" "$logs"/np?.rank0.log "$logs"/nodes*.rank0.log \
+         "$logs"/tpu?.rank0.log "$logs/cluster.log" "$logs"/cluster-*.rank0.log; do
     [ -f "$f" ] || continue
     line=$(summary "$f")
     p=$(grep -oE "[0-9]+ passed" <<<"$line" | grep -oE "[0-9]+" || true)

@@ -106,6 +106,9 @@ def _walk(obj: Any, path: str, setter, slots: Dict[str, Slot], seen: set) -> Non
         slots[path] = Slot(path, "variable", obj._checkpoint_read, obj._checkpoint_restore, obj)
     elif isinstance(obj, np.ndarray):
         slots[path] = Slot(path, "array", lambda: obj, lambda v: _copy_into(obj, v, path), obj)
+    elif type(obj).__module__.startswith("cupy") and hasattr(obj, "get"):
+        # a CuPy array: saved from a host copy, restored onto the GPU it lives on
+        slots[path] = Slot(path, "array", obj.get, lambda v: _copy_onto_device(obj, v, path), obj)
     elif hasattr(obj, "_serialize_to_tensors") and hasattr(obj, "_restore_from_tensors"):
         for key, value in sorted(obj._serialize_to_tensors().items()):
             slots[f"{path}/{check_segment(key)}"] = Slot(
@@ -140,6 +143,14 @@ def _check_distinct_keys(obj: dict, path: str) -> None:
         if other is not key and other != key:
             raise ValueError(f"checkpoint object {path!r}: keys {other!r} and {key!r} both save "
                              f"as {path}/{key}; rename one of them")
+def _copy_onto_device(target, value: np.ndarray, path: str) -> None:
+    """Restore a CuPy array in place (same GPU, same memory), checking the shape first."""
+    if target.shape != np.shape(value):
+        raise ValueError(f"restoring {path!r}: the checkpoint holds shape {np.shape(value)}, the "
+                         f"object has shape {target.shape}")
+    import cupy  # only reached for CuPy arrays
+    with cupy.cuda.Device(target.device.id):
+        target[...] = cupy.asarray(np.asarray(value).astype(target.dtype, casting="same_kind"))
 
 
 def _copy_into(target: np.ndarray, value: np.ndarray, path: str) -> None:

@@ -1,12 +1,20 @@
 """All-reduce algorithms on contiguous host buffers.
 
-Two algorithms, chosen by message size (``choose_algorithm``):
+Algorithms, chosen by message size and topology (``choose_algorithm``, the
+one place that picks):
 
-* ``mpi``: the MPI library's own ``Allreduce`` (best for small messages).
+* ``mpi``: the MPI library's own ``Allreduce`` (best for small messages, and
+  across hosts when each host holds one rank).
 * ``ring``: reduce-scatter then all-gather around a ring of ``Sendrecv``
   calls. Each rank sends ``2 (n-1)/n`` of the buffer and reduces only
   ``(n-1)/n`` of it, which beats Open MPI 4.1's default for messages of a few
-  MiB and more on our machines (docs/benchmarks.md).
+  MiB and more on one host (docs/benchmarks.md); across hosts it loses.
+* ``hierarchical``: reduce-scatter inside each node, all-reduce across nodes
+  among the ranks owning the same part, all-gather inside each node
+  (``backends/hierarchical.py``): only ``1/local_size`` of the buffer
+  crosses host links per rank.
+* ``reduce_broadcast``: ``Reduce`` to rank 0 then ``Bcast`` (TensorFlow's
+  ``ReductionToOneDevice``), only when asked for.
 
 The chunk layout is a pure function, ``ring_chunks``::
 
@@ -26,11 +34,19 @@ from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.partition import even_ranges
 
-__all__ = ["ring_chunks", "choose_algorithm", "allreduce", "RING_THRESHOLD_BYTES"]
+__all__ = ["ring_chunks", "choose_algorithm", "explain_algorithm", "allreduce",
+           "ring_reduce_scatter", "ring_all_gather",
+           "RING_THRESHOLD_BYTES", "ALGORITHMS"]
+
+ALGORITHMS = ("auto", "mpi", "ring", "hierarchical", "reduce_broadcast")
 
 # Messages of at least this many bytes use the ring (override with
 # MPISTRAT_RING_THRESHOLD; a negative value turns the ring off).
 RING_THRESHOLD_BYTES = int(os.environ.get("MPISTRAT_RING_THRESHOLD", str(1 << 20)))
+# Across nodes, buffers of at least this many bytes take the hierarchical algorithm; smaller
+# ones MPI's own, which won at 1 MiB on simulated nodes (docs/benchmarks.md).
+HIERARCHICAL_THRESHOLD_BYTES = int(os.environ.get("MPISTRAT_HIERARCHICAL_THRESHOLD",
+                                                  str(4 << 20)))
 _RING_TAG = 0x7269
 
 _COMBINE = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add,
@@ -42,11 +58,46 @@ def ring_chunks(count: int, parts: int) -> List[Tuple[int, int]]:
     return even_ranges(count, parts)
 
 
-def choose_algorithm(nbytes: int, comm_size: int, threshold: int = RING_THRESHOLD_BYTES) -> str:
-    """``"ring"`` for large messages on several ranks, else ``"mpi"``."""
-    if comm_size > 1 and 0 <= threshold <= nbytes:
-        return "ring"
-    return "mpi"
+def choose_algorithm(nbytes: int, comm_size: int, threshold: int = RING_THRESHOLD_BYTES,
+                     topology=None, preference: str = "auto") -> str:
+    """The algorithm for one buffer: see ``explain_algorithm`` for the rules."""
+    return explain_algorithm(nbytes, comm_size, threshold, topology, preference)[0]
+
+
+def explain_algorithm(nbytes: int, comm_size: int, threshold: int = RING_THRESHOLD_BYTES,
+                      topology=None, preference: str = "auto"):
+    """``(algorithm, why)`` for a buffer of ``nbytes`` over ``comm_size`` ranks.
+
+    A ``preference`` other than ``"auto"`` (from ``cross_device_ops``) is
+    honoured. Otherwise: one rank or a small buffer, ``mpi``; one node,
+    ``ring``; several nodes of one rank each, ``mpi`` (the flat ring loses
+    across hosts); several nodes with several ranks on some, ``hierarchical``.
+
+    >>> from mpistrat.collectives.topology import make_topology
+    >>> choose_algorithm(64 << 20, 4, topology=make_topology([0, 0, 1, 1], [None] * 4))
+    'hierarchical'
+    >>> choose_algorithm(64 << 20, 2, topology=make_topology([0, 1], [None] * 2))
+    'mpi'
+    """
+    if preference not in ALGORITHMS:
+        raise ValueError(f"unknown all-reduce algorithm {preference!r}; use one of {ALGORITHMS}")
+    if comm_size == 1:
+        return "mpi", "one rank: nothing crosses a link"
+    if preference != "auto":
+        return preference, f"asked for ({preference}) by cross_device_ops"
+    if threshold < 0 or nbytes < threshold:
+        return "mpi", (f"{nbytes} B is below the {threshold} B threshold: MPI's own is "
+                       f"fastest for small messages" if threshold >= 0 else "ring turned off")
+    if topology is None or topology.num_nodes <= 1:
+        return "ring", "one node: the ring beats Open MPI's default Allreduce for large buffers"
+    if max(topology.node_sizes) == 1:
+        return "mpi", (f"{topology.describe()}: one rank per node, so there is nothing to "
+                       f"combine inside nodes, and the flat ring loses across hosts")
+    if nbytes < HIERARCHICAL_THRESHOLD_BYTES:
+        return "mpi", (f"{topology.describe()}: below {HIERARCHICAL_THRESHOLD_BYTES} B MPI's own "
+                       f"beats three steps")
+    return "hierarchical", (f"{topology.describe()}: reduce inside nodes, only 1/local_size "
+                            f"of the buffer per rank crosses host links")
 
 
 def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
@@ -57,6 +108,9 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
     """
     if algorithm == "ring":
         _ring_allreduce(comm, send, recv, op, deadline)
+        return
+    if algorithm == "reduce_broadcast":
+        _reduce_broadcast(comm, send, recv, op, deadline)
         return
     if send is recv:
         send = MPI.IN_PLACE
@@ -75,28 +129,65 @@ def _exchange(comm, send, dest, recv, source, deadline, what):
 
 
 def _ring_allreduce(comm, send, recv, op, deadline):
-    size, rank = comm.Get_size(), comm.Get_rank()
     src, out = send.reshape(-1), recv.reshape(-1)
+    bounds = ring_chunks(src.size, comm.Get_size())
+    ring_reduce_scatter(comm, src, out, bounds, op, deadline)  # 1. this rank's chunk complete
+    ring_all_gather(comm, out, bounds, deadline)               # 2. every chunk everywhere
+
+
+def ring_reduce_scatter(comm: MPI.Comm, src: np.ndarray, out: np.ndarray,
+                        bounds: List[Tuple[int, int]], op: ReduceOp,
+                        deadline: Optional[Deadline]) -> None:
+    """Ring reduce-scatter of flat ``src`` into flat ``out`` (``src`` may be ``out``).
+
+    ``bounds[r]`` is the contiguous range rank ``r`` owns (any partition, even
+    uneven or empty parts); afterwards ``out[bounds[rank]]`` holds the
+    combination over all ranks, and the rest of ``out`` partial results.
+    Partial sums pass to the right; a chunk is complete after ``size - 1`` steps.
+    """
+    size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:
-        out[...] = src
+        a, b = bounds[0]
+        if src is not out:
+            out[a:b] = src[a:b]
         return
-    bounds = ring_chunks(src.size, size)
     right, left = (rank + 1) % size, (rank - 1) % size
-    scratch = default_pool().take((bounds[0][1] - bounds[0][0],), src.dtype)
+    scratch = default_pool().take((max(b - a for a, b in bounds),), src.dtype)
     combine = _COMBINE[op]
-    what = f"ring all_reduce {op.name}"
-    # 1. Reduce-scatter: pass partial sums to the right; after size-1 steps
-    #    this rank holds the complete result of chunk (rank + 1) % size.
+    what = f"ring reduce-scatter {op.name}"
     for step in range(size - 1):
-        send_chunk, recv_chunk = (rank - step) % size, (rank - step - 1) % size
+        send_chunk, recv_chunk = (rank - step - 1) % size, (rank - step - 2) % size
         a, b = bounds[send_chunk]
         c, d = bounds[recv_chunk]
         outgoing = src[a:b] if step == 0 else out[a:b]
         _exchange(comm, outgoing, right, scratch[:d - c], left, deadline, what)
         combine(src[c:d], scratch[:d - c], out=out[c:d])
-    # 2. All-gather: pass the complete chunks around the ring, straight into place.
+
+
+def ring_all_gather(comm: MPI.Comm, buffer: np.ndarray, bounds: List[Tuple[int, int]],
+                    deadline: Optional[Deadline]) -> None:
+    """Ring all-gather in place: rank ``r`` contributes ``buffer[bounds[r]]``; complete
+    chunks pass to the right, straight into place."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    right, left = (rank + 1) % size, (rank - 1) % size
     for step in range(size - 1):
-        send_chunk, recv_chunk = (rank + 1 - step) % size, (rank - step) % size
+        send_chunk, recv_chunk = (rank - step) % size, (rank - step - 1) % size
         a, b = bounds[send_chunk]
         c, d = bounds[recv_chunk]
-        _exchange(comm, out[a:b], right, out[c:d], left, deadline, what)
+        _exchange(comm, buffer[a:b], right, buffer[c:d], left, deadline, "ring all-gather")
+
+
+def _reduce_broadcast(comm, send, recv, op, deadline):
+    """TensorFlow's ``ReductionToOneDevice``: reduce to rank 0, then broadcast from it."""
+    what = f"reduce_broadcast all_reduce {op.name}"
+    if comm.Get_rank() == 0:
+        source = MPI.IN_PLACE if send is recv else send
+    else:
+        source = send
+    if deadline is None:
+        comm.Reduce(source, recv if comm.Get_rank() == 0 else None, op.mpi_op, root=0)
+        comm.Bcast(recv, root=0)
+    else:
+        wait_all([comm.Ireduce(source, recv if comm.Get_rank() == 0 else None, op.mpi_op,
+                               root=0)], deadline, what)
+        wait_all([comm.Ibcast(recv, root=0)], deadline, what)

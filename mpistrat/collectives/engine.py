@@ -26,6 +26,7 @@ from mpistrat.collectives.backends import select_backend
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.collectives.reduce_op import ReduceOp
+from mpistrat.collectives.topology import comm_topology
 from mpistrat.collectives.validation import agree, start_agree, validation_enabled
 from mpistrat.errors import AbortedError, DeadlineExceededError, InvalidArgumentError
 from mpistrat.runtime.devices import Capabilities, array_kind, capabilities
@@ -61,8 +62,14 @@ def _as_array(value: Any):
 
 
 def _signature(arrays) -> tuple:
-    """``(dtype, shape)`` per tensor; dtypes as NumPy's short codes (cheap to build)."""
-    return tuple((a.dtype.str, tuple(a.shape)) for a in arrays)
+    """``(dtype, shape)`` per tensor; dtypes as NumPy's short codes (cheap to build), with the
+    array kind for device arrays (ranks that mix NumPy and CuPy would pick different backends)."""
+    return tuple((_dtype_key(a), tuple(a.shape)) for a in arrays)
+
+
+def _dtype_key(array) -> str:
+    return array.dtype.str if type(array) is np.ndarray else \
+        f"{array.dtype.str}@{array_kind(array)}".replace("@numpy", "")
 
 
 _ALL_REDUCE_WHAT = {op: f"all_reduce {op.name}" for op in ReduceOp}
@@ -125,8 +132,8 @@ class CollectiveEngine:
         for index, array in enumerate(arrays):
             groups.setdefault(array_kind(array), []).append(index)
         for kind, indices in groups.items():
-            backend = select_backend(kind, opts.implementation, capabilities()
-                                     if kind != "numpy" else _HOST_CAPS)
+            backend = _HOST_BACKEND if kind == "numpy" else select_backend(
+                kind, opts.implementation, capabilities(), comm_topology(self.comm))
             if self._trace:
                 log.debug("#%d %s: %d %s tensors via %s", self._calls, what, len(indices), kind,
                           backend.name)
@@ -143,7 +150,7 @@ class CollectiveEngine:
         what = _ALL_REDUCE_WHAT[op]
         opts, deadline = self._begin(what, _signature(arrays), options)
         results = self._run(what, arrays, opts, lambda backend, idx: backend.all_reduce(
-            self.comm, [arrays[i] for i in idx], op, opts.pack_bytes, deadline))
+            self.comm, [arrays[i] for i in idx], op, opts, deadline))
         return nest.pack_sequence_as(value, results) if nested else results[0]
 
     def all_gather(self, value: Any, axis: int = 0,
@@ -155,7 +162,7 @@ class CollectiveEngine:
         """
         arrays = [_as_array(v) for v in nest.flatten(value)]
         what = f"all_gather axis={axis}"
-        masked = tuple((a.dtype.str,
+        masked = tuple((_dtype_key(a),
                         tuple(-1 if d == _axis_or_none(axis, a.ndim) else n
                               for d, n in enumerate(a.shape))) for a in arrays)
         opts, deadline = self._begin(what, masked, options)

@@ -15,6 +15,7 @@ __all__ = ["CommunicationImplementation", "CommunicationOptions", "DEFAULT_BYTES
 # Small tensors are fused into buckets of at most this many bytes when
 # ``bytes_per_pack`` is 0; see docs/benchmarks.md for the measurement behind it.
 DEFAULT_BYTES_PER_PACK = 4 << 20
+_ALGORITHMS = ("auto", "mpi", "ring", "hierarchical", "reduce_broadcast")
 
 
 class CommunicationImplementation(enum.Enum):
@@ -39,12 +40,17 @@ class CommunicationOptions:
     collective that has not completed after this long raises
     ``DeadlineExceededError`` on the ranks that waited (``None``: wait
     forever, unless ``MPISTRAT_COLLECTIVE_TIMEOUT`` sets a default).
-    ``implementation``: ``AUTO``, ``MPI`` or ``NCCL``.
+    ``implementation``: ``AUTO``, ``MPI`` or ``NCCL``; ``NCCL`` makes device
+    arrays use NCCL (host arrays still travel over MPI) and raises naming the
+    reason where NCCL cannot run. ``algorithm`` (an mpistrat extension, set
+    by ``cross_device_ops``): ``"auto"``, ``"mpi"``, ``"ring"``,
+    ``"hierarchical"`` or ``"reduce_broadcast"``.
     """
 
     bytes_per_pack: int = 0
     timeout_seconds: Optional[float] = None
     implementation: CommunicationImplementation = CommunicationImplementation.AUTO
+    algorithm: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
@@ -54,6 +60,8 @@ class CommunicationOptions:
         if isinstance(self.implementation, str):
             object.__setattr__(self, "implementation",
                                CommunicationImplementation[self.implementation.upper()])
+        if self.algorithm not in _ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {_ALGORITHMS}, got {self.algorithm!r}")
 
     @property
     def pack_bytes(self) -> int:
@@ -70,4 +78,5 @@ class CommunicationOptions:
             else self.timeout_seconds,
             implementation=other.implementation
             if other.implementation is not CommunicationImplementation.AUTO else self.implementation,
+            algorithm=other.algorithm if other.algorithm != "auto" else self.algorithm,
         )

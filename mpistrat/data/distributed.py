@@ -28,6 +28,12 @@ There, as in TensorFlow, batches are fetched to the devices ahead of the step
 (``InputOptions.experimental_fetch_to_device``, default on): a thread keeps
 ``experimental_per_replica_buffer_size`` batches (default: 1 on accelerators,
 none on CPU devices) laid out on the devices, and ``run`` uses them as they are.
+
+On GPU replicas (``MirroredStrategy`` and ``MultiWorkerMirroredStrategy``
+bound to a GPU, CuPy installed) batches are fetched to the GPU the same way:
+a thread copies the next batch (``experimental_per_replica_buffer_size``,
+default 1) into CuPy arrays on a stream of its own while the current step
+runs; ``experimental_fetch_to_device=False`` keeps them NumPy.
 """
 
 from typing import Any, Callable, Iterator
@@ -86,6 +92,13 @@ class DistributedIterator:
         self._local = iter(make_local())
         stage = getattr(strategy.extended, "stage_per_replica", None)
         options = options or InputOptions()
+        self._gpu = _gpu_of(strategy) if options.experimental_fetch_to_device is not False \
+            and stage is None else None
+        if self._gpu is not None:  # GPU replicas: copy the next batch while this step runs
+            depth = options.experimental_per_replica_buffer_size
+            moved = _to_gpu(self._local, self._gpu)
+            self._local = iter(_prefetched(moved, 1 if depth is None else depth)
+                               if depth != 0 else moved)
         if stage is not None and options.experimental_fetch_to_device is not False:
             # batches go to the devices ahead of the step, in a thread when a depth is given
             depth = options.experimental_per_replica_buffer_size
@@ -145,6 +158,8 @@ class DistributedIterator:
                 self._template = _from_spec(next(x for x in specs if x is not None))
         if element is _END:  # others still have data: a 0-row batch, as in TensorFlow
             element = _from_spec(_spec(self._template))
+            if self._gpu is not None:
+                element = next(_to_gpu(iter([element]), self._gpu))
         self._steps += 1
         return _regroup(element, None, self._replica_ids)
 
@@ -186,7 +201,8 @@ class _Spec:
     """The inner shape and dtype of one component (a leaf for ``nest``; picklable)."""
 
     def __init__(self, x):
-        self.inner, self.dtype = np.shape(x)[1:], np.asarray(x).dtype.str
+        dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype  # CuPy: no host copy
+        self.inner, self.dtype = tuple(np.shape(x)[1:]), np.dtype(dtype).str
 
     def empty(self) -> np.ndarray:
         return np.empty((0,) + tuple(self.inner), np.dtype(self.dtype))
@@ -201,6 +217,31 @@ def _from_spec(spec):
 
 
 _END = object()
+
+
+def _gpu_of(strategy):
+    """The GPU ordinal of this rank's replica when batches should go there, else ``None``."""
+    devices = strategy.extended.worker_devices
+    if not devices or "GPU:" not in devices[0]:
+        return None
+    from mpistrat.runtime.devices import cupy_available
+    if not cupy_available():
+        return None
+    return int(devices[0].rsplit("GPU:", 1)[1])
+
+
+def _to_gpu(local: Iterator[tuple], device: int) -> Iterator[tuple]:
+    """Each component's leaves as CuPy arrays on ``device``, copied on a stream of its own
+    (this runs in the prefetch thread; the stream is synchronised before the batch is handed
+    over, so the step sees complete data)."""
+    import cupy
+    with cupy.cuda.Device(device):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        for components in local:
+            with stream:
+                moved = tuple(nest.map_structure(cupy.asarray, c) for c in components)
+            stream.synchronize()
+            yield moved
 
 
 def distribute_dataset(strategy, dataset: Dataset, options=None) -> DistributedDataset:

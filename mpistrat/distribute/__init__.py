@@ -2,6 +2,8 @@
 
 from mpistrat.distribute.context import (InputContext, ValueContext, get_replica_context,
                                          get_strategy, has_strategy, in_cross_replica_context)
+from mpistrat.distribute.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce,
+                                                  NcclAllReduce, ReductionToOneDevice)
 from mpistrat.distribute.default import DefaultStrategy  # registers the default strategy
 from mpistrat.distribute.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from mpistrat.distribute.options import InputOptions, RunOptions
@@ -11,7 +13,8 @@ from mpistrat.distribute.values import DistributedValues, Mirrored, PerReplica
 from mpistrat.distribute.variables import Variable, VariableAggregation, VariableSynchronization
 
 __all__ = [
-    "DefaultStrategy",
+    "DefaultStrategy", "CrossDeviceOps", "NcclAllReduce", "HierarchicalCopyAllReduce",
+    "ReductionToOneDevice",
     "InputContext", "ValueContext", "get_replica_context", "get_strategy", "has_strategy",
     "in_cross_replica_context", "MirroredStrategy", "MultiWorkerMirroredStrategy", "InputOptions",
     "RunOptions", "ReplicaContext", "Strategy", "StrategyExtended", "DistributedValues",

@@ -2,7 +2,9 @@
 
 Both keep one replica per MPI rank and follow the input and collective
 semantics of TensorFlow's ``MultiWorkerMirroredStrategy`` with one device
-per worker. Launch with ``mpirun -n 4 python train.py``::
+per worker. Making a strategy binds the rank to its GPU (local rank modulo
+the visible GPUs) before any CUDA work, or to its host when there is no GPU.
+Launch with ``mpirun -n 4 python train.py``::
 
     >>> import mpistrat as ms
     >>> strategy = ms.MirroredStrategy()
@@ -13,9 +15,11 @@ per worker. Launch with ``mpirun -n 4 python train.py``::
 from typing import Optional, Sequence
 
 from mpistrat.cluster_resolver import MPIClusterResolver
-from mpistrat.collectives import CollectiveEngine, CommunicationOptions
+from mpistrat.collectives import CollectiveEngine, CommunicationImplementation
+from mpistrat.distribute.cross_device_ops import as_communication_options
 from mpistrat.distribute.strategy import Strategy
 from mpistrat.runtime import get_world
+from mpistrat.runtime.gpus import bind_device
 
 __all__ = ["MirroredStrategy", "MultiWorkerMirroredStrategy"]
 
@@ -25,12 +29,29 @@ def _device_name(task: int, device: str) -> str:
     return f"/job:worker/replica:0/task:{task}/device:{device}"
 
 
+def _check_nccl(options, bound) -> None:
+    """Refuse ``implementation=NCCL`` where it cannot be honoured, saying why."""
+    if options is None or options.implementation is not CommunicationImplementation.NCCL:
+        return
+    if bound.kind != "GPU":
+        raise ValueError(f"implementation=NCCL (or NcclAllReduce) needs GPU replicas, but this "
+                         f"rank's replica is its host ({bound.reason}); use "
+                         f"CommunicationImplementation.AUTO or MPI")
+    from mpistrat.runtime.devices import cupy_available, nccl_available
+    available, why = nccl_available()
+    if not (available and cupy_available()):
+        raise ValueError(f"implementation=NCCL (or NcclAllReduce) cannot run here: {why}; use "
+                         f"CommunicationImplementation.AUTO, which stages through host memory")
+
+
 class MirroredStrategy(Strategy):
     """Synchronous training on the ranks of one node, one replica per rank.
 
     ``devices``: optional device names, one per rank of the node (so
-    ``MirroredStrategy(["GPU:0", "GPU:1"])`` runs under ``mpirun -n 2``).
-    ``cross_device_ops``: ``None`` or a ``CommunicationOptions``.
+    ``MirroredStrategy(["GPU:0", "GPU:1"])`` runs under ``mpirun -n 2``;
+    local rank ``i`` takes ``devices[i]``). ``cross_device_ops``: ``None``,
+    a ``CommunicationOptions``, or ``ms.distribute.NcclAllReduce()``,
+    ``HierarchicalCopyAllReduce()`` or ``ReductionToOneDevice()``.
     Launched across several nodes it raises ``ValueError``: use
     ``MultiWorkerMirroredStrategy`` there.
     """
@@ -42,21 +63,11 @@ class MirroredStrategy(Strategy):
                 f"MirroredStrategy spans the ranks of one node, but this job runs on "
                 f"{world.num_nodes} nodes ({world.describe()}); use "
                 f"ms.MultiWorkerMirroredStrategy() to train across nodes")
-        if cross_device_ops is not None and not isinstance(cross_device_ops, CommunicationOptions):
-            raise ValueError("cross_device_ops must be None or an ms.CommunicationOptions, "
-                             f"got {type(cross_device_ops).__name__}")
-        if devices is not None:
-            devices = list(devices)
-            if len(devices) != world.local_size:
-                raise ValueError(
-                    f"MirroredStrategy got {len(devices)} devices but {world.local_size} ranks "
-                    f"run on this node; mpistrat runs one replica per rank, so launch with "
-                    f"mpirun -n {len(devices)} (or pass devices=None)")
-            device = devices[world.local_rank]
-        else:
-            device = "CPU:0"
-        engine = CollectiveEngine(world.node_comm, cross_device_ops)
-        super().__init__(engine, (_device_name(world.rank, device),))
+        options = as_communication_options(cross_device_ops, "cross_device_ops")
+        bound = bind_device(world, list(devices) if devices is not None else None)
+        _check_nccl(options, bound)
+        engine = CollectiveEngine(world.node_comm, options)
+        super().__init__(engine, (_device_name(world.rank, bound.name),))
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -71,9 +82,13 @@ class MultiWorkerMirroredStrategy(Strategy):
         world = get_world()
         resolver = cluster_resolver if cluster_resolver is not None else MPIClusterResolver()
         resolver.check_matches_world(world)
+        from mpistrat.collectives import CommunicationOptions
         if communication_options is not None and \
                 not isinstance(communication_options, CommunicationOptions):
             raise ValueError("communication_options must be an ms.CommunicationOptions, got "
                              f"{type(communication_options).__name__}")
+        bound = bind_device(world)
+        _check_nccl(communication_options, bound)
         engine = CollectiveEngine(world.comm, communication_options)
-        super().__init__(engine, (_device_name(world.rank, "CPU:0"),), cluster_resolver=resolver)
+        super().__init__(engine, (_device_name(world.rank, bound.name),),
+                         cluster_resolver=resolver)

@@ -25,6 +25,7 @@ from mpistrat.distribute.context import ValueContext, current_strategy_entry, en
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.distribute.results import scalars_to_numpy
 from mpistrat.distribute.values import DistributedValues, PerReplica, local_component
+from mpistrat.runtime.devices import array_kind, array_module
 
 __all__ = ["Strategy", "StrategyExtended"]
 
@@ -163,7 +164,7 @@ class Strategy:
 
     def _reduce_components(self, op: ReduceOp, components: tuple, axis: Optional[int]):
         """Reduce this rank's replicas' values (one nest each) here, then across ranks."""
-        leaves = list(zip(*[[np.asarray(x) for x in nest.flatten(c)] for c in components]))
+        leaves = list(zip(*[[_as_array(x) for x in nest.flatten(c)] for c in components]))
         engine = self._extended.engine
         ids = self._extended.local_replica_ids
         if axis is None:
@@ -250,6 +251,11 @@ def _input_distribution(kind: str):
 _IDENTITY = {ReduceOp.MIN: "max", ReduceOp.MAX: "min"}
 
 
+def _as_array(value: Any):
+    """``value`` as an array: CuPy arrays stay on their GPU, anything else goes to NumPy."""
+    return value if array_kind(value) == "cupy" else np.asarray(value)
+
+
 def _partial(op: ReduceOp, array: np.ndarray, axis: int) -> np.ndarray:
     """This replica's contribution along ``axis`` (empty batches give the identity)."""
     if op in (ReduceOp.SUM, ReduceOp.MEAN):
@@ -258,7 +264,8 @@ def _partial(op: ReduceOp, array: np.ndarray, axis: int) -> np.ndarray:
     if array.shape[axis] == 0:
         info = np.finfo(array.dtype) if array.dtype.kind == "f" else np.iinfo(array.dtype)
         fill = getattr(info, _IDENTITY[op])
-        return np.full(np.delete(array.shape, axis), fill, dtype=array.dtype)
+        return array_module(array).full(tuple(np.delete(array.shape, axis)), fill,
+                                        dtype=array.dtype)
     return fn(array, axis=axis)
 
 

@@ -3,7 +3,11 @@
 Created inside ``strategy.scope()`` a variable is distributed: every rank
 starts from rank 0's initial value. ``ON_WRITE`` (the default) variables are
 mirrored and updated through their aggregation; ``ON_READ`` ones keep a
-value per replica and are combined when read in cross-replica context::
+value per replica and are combined when read in cross-replica context.
+A variable lives where its replica computes: made from a CuPy value, or in
+the scope of a strategy whose replica is a GPU (with CuPy installed), it
+holds a CuPy array on that GPU; ``numpy()`` and checkpoints copy it to the
+host, and a restore puts the value back on the device::
 
     >>> import mpistrat as ms
     >>> v = ms.Variable(1.0)                  # outside any scope: an ordinary variable
@@ -19,6 +23,7 @@ from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from mpistrat.collectives import ReduceOp
 from mpistrat.distribute.context import current_strategy_entry, get_replica_context
+from mpistrat.runtime.devices import array_kind, cupy_available
 
 __all__ = ["Variable", "VariableAggregation", "VariableSynchronization"]
 
@@ -70,12 +75,13 @@ class Variable(NDArrayOperatorsMixin):
         self.trainable = (self.synchronization is not VariableSynchronization.ON_READ
                           if trainable is None else bool(trainable))
         value = initial_value() if callable(initial_value) else initial_value
-        value = np.array(value, dtype=dtype, copy=True)
+        entry = current_strategy_entry()
+        self._strategy = entry.strategy if entry else None
+        self._xp = _placement(self._strategy, value)
+        value = self._xp.array(value, dtype=dtype, copy=True)
         if shape is not None and tuple(shape) != value.shape:
             raise ValueError(f"variable {self.name!r}: initial value has shape {value.shape}, "
                              f"not the requested {tuple(shape)}")
-        entry = current_strategy_entry()
-        self._strategy = entry.strategy if entry else None
         if self._strategy is not None:
             value = self._engine.broadcast(value, root=0)
         self._value = value
@@ -109,8 +115,8 @@ class Variable(NDArrayOperatorsMixin):
     value = read_value
 
     def numpy(self) -> np.ndarray:
-        """A copy of ``read_value()``."""
-        return np.array(self.read_value(), copy=True)
+        """A host (NumPy) copy of ``read_value()``."""
+        return _host_copy(self.read_value())
 
     def _combined(self) -> np.ndarray:
         if self.aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
@@ -122,7 +128,10 @@ class Variable(NDArrayOperatorsMixin):
         return self._engine.all_reduce(self._value, _REDUCE[self.aggregation])
 
     def __array__(self, dtype=None, copy=None):
-        value = np.asarray(self.read_value())  # TPU variables read JAX arrays
+        value = self.read_value()
+        if array_kind(value) == "cupy":  # NumPy asks for host memory: copy it down
+            value = value.get()
+        value = np.asarray(value)  # TPU variables read JAX arrays
         return value.astype(dtype) if dtype is not None else (value.copy() if copy else value)
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
@@ -160,15 +169,17 @@ class Variable(NDArrayOperatorsMixin):
         value = self._fit(value, what)
         if self._strategy is not None:
             value = self._synchronised_update(value, what)
-        self._value = np.array(apply(self._value, value), dtype=self.dtype)
+        self._value = self._xp.array(apply(self._value, value), dtype=self.dtype)
         return self
 
     def _fit(self, value: Any, what: str) -> np.ndarray:
         """``value`` on the host, broadcast to this variable's shape and dtype, or
         ``ValueError`` naming the variable."""
-        value = np.asarray(value.numpy() if isinstance(value, Variable) else value)
+        xp = self._xp
+        value = value.read_value() if isinstance(value, Variable) else value
+        value = xp.asarray(_host(value) if xp is np else value)  # CuPy takes host values too
         try:
-            return np.broadcast_to(value, self.shape).astype(self.dtype, copy=False)
+            return xp.broadcast_to(value, self.shape).astype(self.dtype, copy=False)
         except ValueError:
             raise ValueError(f"{what} on variable {self.name!r}: value of shape {value.shape} "
                              f"does not fit shape {self.shape}") from None
@@ -213,20 +224,21 @@ class Variable(NDArrayOperatorsMixin):
         """
         if (self._strategy is not None and self.synchronization is VariableSynchronization.ON_READ
                 and self.aggregation is not VariableAggregation.NONE):
-            return self._combined()
-        return self._value
+            return _host(self._combined())
+        return _host(self._value)
 
     def _checkpoint_restore(self, value: np.ndarray) -> None:
-        """Put a saved value back (no communication: every rank restores the same value)."""
+        """Put a saved value back (no communication: every rank restores the same value),
+        onto the device the variable lives on."""
         value = np.asarray(value)
         if (self._strategy is not None and self.synchronization is VariableSynchronization.ON_READ
                 and self.aggregation is VariableAggregation.SUM):
             value = value / self._strategy.num_replicas_in_sync  # so that the SUM reads back
-        self._value = np.asarray(value, dtype=self.dtype)  # restored values are fresh arrays
+        self._value = self._xp.asarray(np.asarray(value, dtype=self.dtype))  # fresh arrays
 
     # -- display -----------------------------------------------------------------
     def _describe(self, value) -> str:
-        value = np.asarray(value)
+        value = np.asarray(_host(value))
         text = repr(value.item()) if value.ndim == 0 else np.array2string(value, separator=", ")
         return f"<ms.Variable '{self.name}:0' shape={self.shape} dtype={self.dtype.name}, numpy={text}>"
 
@@ -238,3 +250,27 @@ class Variable(NDArrayOperatorsMixin):
                 else "MirroredVariable")
         rid = self._strategy.extended.local_replica_ids[0]
         return f"{kind}:{{\n  {rid}: {self._describe(self._value)}\n}}"
+
+
+def _placement(strategy, value):
+    """The array module a variable keeps its value in: CuPy on GPU replicas, else NumPy."""
+    if array_kind(value) == "cupy":
+        import cupy
+        return cupy
+    extended = getattr(strategy, "extended", None)
+    if getattr(extended, "variable_class", None) is not None:
+        return np  # TPUStrategy keeps its own per-device JAX arrays
+    devices = getattr(extended, "worker_devices", ()) or ()
+    if devices and "GPU:" in devices[0] and array_kind(value) == "numpy" and cupy_available():
+        import cupy
+        return cupy
+    return np
+
+
+def _host(value):
+    """``value`` in host memory (CuPy arrays copied down; others unchanged)."""
+    return value.get() if array_kind(value) == "cupy" else value
+
+
+def _host_copy(value) -> np.ndarray:
+    return value.get() if array_kind(value) == "cupy" else np.array(value, copy=True)

@@ -22,21 +22,75 @@ import numpy as np
 from mpi4py import MPI
 
 __all__ = ["array_kind", "gpu_for_local_rank", "Capabilities", "capabilities",
-           "cuda_aware_mpi", "to_host", "from_host"]
+           "cuda_aware_mpi", "nccl_available", "cupy_available", "jax_on_gpu", "array_module",
+           "as_cupy", "from_cupy_like", "to_host", "from_host"]
 
 
 def array_kind(value: Any) -> str:
-    """``"cupy"``, ``"jax"`` or ``"numpy"`` (NumPy arrays, scalars, lists, ...)."""
+    """``"cupy"``, ``"jax"``, ``"cuda"`` (another library's device array) or ``"numpy"``.
+
+    ``"cuda"`` is any other object exposing ``__cuda_array_interface__`` (a
+    Numba or PyTorch CUDA tensor): device memory that must never be handed
+    to an MPI that is not CUDA-aware.
+    """
     module = type(value).__module__ or ""
     if module.startswith("cupy"):
         return "cupy"
     if module.startswith(("jax", "jaxlib")):
         return "jax"
+    if type(value) is not np.ndarray and hasattr(value, "__cuda_array_interface__"):
+        return "cuda"
     return "numpy"
 
 
+@functools.lru_cache(maxsize=None)
+def cupy_available() -> bool:
+    """Whether CuPy imports and sees a GPU (imported only when first asked)."""
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def jax_on_gpu(value: Any) -> bool:
+    """Whether a JAX array lives on a CUDA GPU (so CuPy and NCCL can take it via DLPack)."""
+    try:
+        return all(d.platform in ("gpu", "cuda") for d in value.devices())
+    except Exception:
+        return False
+
+
+def array_module(value: Any):
+    """``cupy`` for CuPy arrays, else ``numpy`` (CuPy imported only when a value is CuPy's)."""
+    if array_kind(value) == "cupy":
+        import cupy
+        return cupy
+    return np
+
+
+def as_cupy(value: Any):
+    """``value`` as a CuPy array without a copy (DLPack for JAX, the CUDA array interface else)."""
+    import cupy
+    kind = array_kind(value)
+    if kind == "cupy":
+        return value
+    if kind == "jax":
+        return cupy.from_dlpack(value)
+    return cupy.asarray(value)
+
+
+def from_cupy_like(result: Any, like: Any) -> Any:
+    """A CuPy result handed back as the kind of ``like`` (JAX through DLPack, no copy)."""
+    if array_kind(like) == "jax":
+        import jax
+        return jax.dlpack.from_dlpack(result)
+    return result
+
+
 def gpu_for_local_rank(local_rank: int, num_gpus: int) -> int:
-    """The GPU a rank binds to: its local rank, wrapped over the visible GPUs."""
+    """The GPU a rank binds to: its local rank, wrapped over the visible GPUs
+    (``runtime.gpus.choose_gpu`` also reads ``CUDA_VISIBLE_DEVICES``)."""
     if num_gpus < 1:
         raise ValueError("gpu_for_local_rank: no GPU is visible")
     return local_rank % num_gpus
@@ -72,12 +126,20 @@ def cuda_aware_mpi() -> Tuple[bool, str]:
 
 @functools.lru_cache(maxsize=None)
 def nccl_available() -> Tuple[bool, str]:
-    """Whether CuPy's NCCL binding imports (CuPy 14 needs the explicit import)."""
+    """Whether CuPy's NCCL binding imports (CuPy 14 needs the explicit import).
+
+    ``MPISTRAT_NCCL=0`` turns NCCL off outright (``1`` requires it to import).
+    """
+    forced = os.environ.get("MPISTRAT_NCCL", "").strip()
+    if forced == "0":
+        return False, "MPISTRAT_NCCL=0"
     try:
-        from cupy.cuda import nccl  # noqa: F401
+        from cupy.cuda import nccl
+        if not getattr(nccl, "available", True):
+            raise ImportError("CuPy was built without NCCL")
     except Exception as err:  # ImportError, or CUDA missing at import
         return False, f"cupy.cuda.nccl unavailable: {type(err).__name__}: {err}"
-    return True, "cupy.cuda.nccl imported"
+    return True, f"cupy.cuda.nccl imported (NCCL {nccl.get_version()})"
 
 
 @dataclass(frozen=True)
@@ -86,18 +148,21 @@ class Capabilities:
 
     cuda_aware_mpi: bool
     nccl: bool
+    cupy: bool = False
 
 
 def capabilities() -> Capabilities:
     """Detect the capabilities once (lazily: nothing is imported for NumPy-only jobs)."""
-    return Capabilities(cuda_aware_mpi=cuda_aware_mpi()[0], nccl=nccl_available()[0])
+    return Capabilities(cuda_aware_mpi=cuda_aware_mpi()[0], nccl=nccl_available()[0],
+                        cupy=cupy_available())
 
 
 def to_host(value: Any) -> np.ndarray:
     """Copy a device array into host memory (pinned memory for CuPy)."""
     kind = array_kind(value)
-    if kind == "cupy":
+    if kind in ("cupy", "cuda"):
         import cupyx
+        value = as_cupy(value)
         host = cupyx.empty_pinned(value.shape, value.dtype)
         value.get(out=host)
         return host
@@ -107,6 +172,9 @@ def to_host(value: Any) -> np.ndarray:
 def from_host(host: np.ndarray, like: Any) -> Any:
     """Copy ``host`` back to the kind and device of ``like``."""
     kind = array_kind(like)
+    if kind == "cuda":
+        import cupy
+        return cupy.asarray(host)
     if kind == "cupy":
         import cupy
         with cupy.cuda.Device(like.device.id):

@@ -168,8 +168,9 @@ def test_replica_context_inside_run(any_strategy, world):
 def test_extended_and_cluster_facts(world):
     strategy = ms.MultiWorkerMirroredStrategy()
     assert strategy.num_replicas_in_sync == world.size
+    from mpistrat.runtime.gpus import bound_device
     assert strategy.extended.worker_devices == (
-        f"/job:worker/replica:0/task:{world.rank}/device:CPU:0",)
+        f"/job:worker/replica:0/task:{world.rank}/device:{bound_device().name}",)
     assert strategy.extended.should_checkpoint == (world.rank == 0)
     spec = strategy.cluster_resolver.cluster_spec()
     assert spec.num_tasks("worker") == world.size

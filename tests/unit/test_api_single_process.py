@@ -136,7 +136,7 @@ def test_backend_choice_by_kind_and_implementation():
     assert select_backend("numpy", auto, both).name == "host-mpi"
     assert select_backend("cupy", auto, none).name == "staged-host-mpi"
     assert select_backend("jax", ms.CommunicationImplementation.MPI, none).name == "staged-host-mpi"
-    with pytest.raises(ValueError, match="NCCL is not implemented"):
+    with pytest.raises(ValueError, match="nccl: CuPy sees no GPU"):
         select_backend("cupy", ms.CommunicationImplementation.NCCL, both)
 
 

@@ -1,0 +1,140 @@
+"""What every collective backend shares: the interface, wire formats and fusion plans.
+
+A backend answers ``usable(kind, implementation, caps, topology)`` with a
+reason, and implements ``all_reduce``, ``all_gather`` and ``broadcast`` on a
+list of arrays of one kind. Each concrete backend module has the same
+anatomy: ``usable``, then the three collectives, then private helpers::
+
+    >>> from mpistrat.collectives.backends.base import plan_members
+    >>> [(b.indices, count, members) for b, count, members in
+    ...  plan_members([(4,), (2,)], ["<f4", "<f4"], [16, 8], pack_bytes=64)]
+    [((0, 1), 6, [(0, 0, 4), (1, 4, 6)])]
+"""
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from mpistrat.collectives.algorithms import explain_algorithm
+from mpistrat.collectives.deadline import Deadline
+from mpistrat.collectives.fusion import plan_buckets
+from mpistrat.collectives.options import CommunicationImplementation, CommunicationOptions
+from mpistrat.collectives.reduce_op import ReduceOp
+from mpistrat.errors import InvalidArgumentError
+
+__all__ = ["Backend", "DeviceBufferRefused", "refuse_device_buffers", "wire_dtype", "movable",
+           "plan_members", "PlanCache", "options_of"]
+
+
+class DeviceBufferRefused(InvalidArgumentError):
+    """A device buffer reached a backend that would hand it to an MPI that is not CUDA-aware."""
+
+
+def refuse_device_buffers(arrays: Sequence, backend: str) -> None:
+    """Raise ``DeviceBufferRefused`` if any array exposes ``__cuda_array_interface__``.
+
+    Passing device memory to an MPI without CUDA support crashes the rank
+    (a segmentation fault on our GPU machine), so this check is never skipped.
+    """
+    for index, array in enumerate(arrays):
+        if type(array) is not np.ndarray and hasattr(array, "__cuda_array_interface__"):
+            raise DeviceBufferRefused(
+                f"{backend}: tensor {index} ({type(array).__module__}.{type(array).__name__}) is "
+                f"device memory (it exposes __cuda_array_interface__) and this backend hands "
+                f"buffers to an MPI that is not CUDA-aware, which would crash the rank; device "
+                f"arrays go through the staged, NCCL or CUDA-aware backends (set "
+                f"MPISTRAT_CUDA_AWARE_MPI=1 only if your MPI really is CUDA-aware)")
+
+
+def wire_dtype(dtype: np.dtype, op: Optional[ReduceOp]) -> np.dtype:
+    """The dtype a tensor travels as over MPI: bool as bytes, half precision widened."""
+    char = dtype.char
+    if char == "?":
+        if op is ReduceOp.SUM or op is ReduceOp.MEAN:
+            raise TypeError(f"ReduceOp.{op.name} does not apply to bool tensors; use MIN or MAX")
+        return np.dtype(np.uint8)
+    if char == "e" and op is not None:  # MPI has no half precision: reduce in float32
+        return np.dtype(np.float32)
+    return dtype
+
+
+_MPI_CHARS = set("?bBhHiIlLqQfdgFDG")  # NumPy types that MPI moves natively
+
+
+def movable(array):
+    """``array`` as MPI can move it unchanged: a type MPI lacks (half precision, bfloat16)
+    travels as unsigned integers of its size, bit for bit (for gathers and broadcasts)."""
+    if array.dtype.char in _MPI_CHARS:
+        return array
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(array.dtype.itemsize)
+    return array.view(unsigned) if unsigned is not None else array
+
+
+def options_of(options: Any) -> CommunicationOptions:
+    """Backends accept the merged options, or (older callers) a plain ``pack_bytes`` int."""
+    if isinstance(options, CommunicationOptions):
+        return options
+    return CommunicationOptions(bytes_per_pack=int(options or 0))
+
+
+def plan_members(shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[str],
+                 nbytes: Sequence[int], pack_bytes: int):
+    """Fusion buckets, each with its element count and members ``(index, start, stop)``."""
+    plan = []
+    for bucket in plan_buckets(nbytes, dtypes, pack_bytes):
+        members, offset = [], 0
+        for index in bucket.indices:
+            count = int(np.prod(shapes[index], dtype=np.int64))
+            members.append((index, offset, offset + count))
+            offset += count
+        plan.append((bucket, offset, members))
+    return plan
+
+
+class PlanCache:
+    """Fusion plans cached per signature: steady loops pay one dictionary lookup."""
+
+    def __init__(self, limit: int = 1024):
+        self._plans: dict = {}
+        self._limit = limit
+
+    def get(self, shapes, dtypes, nbytes, pack_bytes):
+        key = (pack_bytes,) + tuple(zip(dtypes, shapes))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) > self._limit:
+                self._plans.clear()
+            plan = self._plans[key] = plan_members(shapes, dtypes, nbytes, pack_bytes)
+        return plan
+
+
+class Backend:
+    """One way to run collectives; subclasses keep the same anatomy."""
+
+    name = "abstract"
+
+    def usable(self, kind: str, implementation: CommunicationImplementation, caps,
+               topology=None) -> Tuple[bool, str]:
+        """``(True, why)`` when this backend serves ``kind`` arrays, else ``(False, why not)``."""
+        raise NotImplementedError
+
+    def algorithm_for(self, nbytes: int, size: int, topology=None,
+                      preference: str = "auto") -> Tuple[str, str]:
+        """``(algorithm, why)`` this backend runs for one buffer of ``nbytes``."""
+        return explain_algorithm(nbytes, size, topology=topology, preference=preference)
+
+    def all_reduce(self, comm: MPI.Comm, arrays: Sequence, op: ReduceOp, options,
+                   deadline: Optional[Deadline]) -> List:
+        raise NotImplementedError
+
+    def all_gather(self, comm: MPI.Comm, arrays: Sequence, counts: Sequence[Sequence[int]],
+                   axis: int, deadline: Optional[Deadline]) -> List:
+        raise NotImplementedError
+
+    def broadcast(self, comm: MPI.Comm, arrays: Sequence, root: int,
+                  deadline: Optional[Deadline]) -> List:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<backend {self.name}>"

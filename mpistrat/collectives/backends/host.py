@@ -1,0 +1,151 @@
+"""``HostMPI``: NumPy buffers over MPI; small tensors fused by dtype, large ones unpacked.
+
+Each fused bucket or large tensor is combined by the algorithm
+``choose_algorithm`` picks for its size and the communicator's topology
+(``mpi``, ``ring``, ``hierarchical`` or ``reduce_broadcast``). Device
+buffers are refused by name: this backend's MPI may not be CUDA-aware::
+
+    >>> import numpy as np
+    >>> from mpi4py import MPI
+    >>> from mpistrat.collectives.backends.host import HostMPI
+    >>> from mpistrat.collectives.reduce_op import ReduceOp
+    >>> HostMPI().all_reduce(MPI.COMM_SELF, [np.ones(2)], ReduceOp.SUM, 0, None)
+    [array([1., 1.])]
+"""
+
+from typing import List
+
+import numpy as np
+
+from mpistrat.collectives.algorithms import RING_THRESHOLD_BYTES, allreduce, choose_algorithm
+from mpistrat.collectives.backends import hierarchical
+from mpistrat.collectives.backends.base import (Backend, PlanCache, movable, options_of,
+                                                refuse_device_buffers, wire_dtype)
+from mpistrat.collectives.buffer_pool import default_pool
+from mpistrat.collectives.deadline import wait_all
+from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
+from mpistrat.collectives.topology import comm_topology
+
+__all__ = ["HostMPI", "host_allreduce"]
+
+# Below this size a plain allocation is as cheap as the pool's bookkeeping.
+_POOL_MIN_BYTES = 64 << 10
+
+
+def _wire(array: np.ndarray, op: ReduceOp) -> np.ndarray:
+    """The contiguous buffer that travels for ``array`` (the array itself where possible)."""
+    dtype = wire_dtype(array.dtype, op)
+    if dtype is not array.dtype and dtype != array.dtype:
+        if array.dtype.char == "?":
+            return np.ascontiguousarray(array).view(np.uint8)
+        return np.ascontiguousarray(array, dtype=dtype)
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+
+
+def host_allreduce(comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp, deadline,
+                   preference: str = "auto") -> str:
+    """Combine one contiguous host buffer with the algorithm chosen for it; return its name."""
+    size = comm.Get_size()
+    # the topology matters only where the size rules leave a choice (it is measured once)
+    needs_topology = size > 1 and preference == "auto" and 0 <= RING_THRESHOLD_BYTES <= send.nbytes
+    topology = comm_topology(comm, deadline) if needs_topology else None
+    algorithm = choose_algorithm(send.nbytes, size, topology=topology, preference=preference)
+    if algorithm == "hierarchical":
+        hierarchical.host_allreduce(comm, send, recv, op, deadline)
+    else:
+        allreduce(comm, send, recv, op, deadline, algorithm)
+    return algorithm
+
+
+class HostMPI(Backend):
+    """NumPy buffers over MPI: small tensors fused by dtype, large ones reduced unpacked."""
+
+    name = "host-mpi"
+
+    def __init__(self):
+        self._plans = PlanCache()
+
+    def usable(self, kind, implementation, caps, topology=None):
+        if kind == "numpy":  # host arrays travel over MPI whatever the preference for devices
+            return True, "host (NumPy) arrays travel over MPI"
+        return False, f"{kind} arrays are device memory; this MPI path takes host memory only"
+
+    def all_reduce(self, comm, arrays, op, options, deadline):
+        refuse_device_buffers(arrays, self.name)
+        opts = options_of(options)
+        preference = getattr(opts, "algorithm", "auto")
+        size = comm.Get_size()
+        if len(arrays) == 1:
+            return [self._reduce_one(comm, arrays[0], op, deadline, size, preference)]
+        pool = default_pool()
+        originals = [a if type(a) is np.ndarray else np.asarray(a) for a in arrays]
+        wires = [_wire(a, op) for a in originals]
+        results: List = [None] * len(arrays)
+        plan = self._plans.get([w.shape for w in wires], [w.dtype.str for w in wires],
+                               [w.nbytes for w in wires], opts.pack_bytes)
+        for bucket, count, members in plan:
+            if bucket.fused:  # 1. pack the small tensors into one (pooled) buffer
+                buffer = pool.take((count,), wires[bucket.indices[0]].dtype)
+                np.concatenate([wires[i] for i in bucket.indices], axis=None, out=buffer)
+                send = buffer
+            else:             # or reduce one large tensor without a packing copy
+                send = wires[bucket.indices[0]]
+                buffer = pool.take(send.shape, send.dtype)
+            # 2. combine across ranks, with the algorithm that suits the size and topology
+            host_allreduce(comm, send, buffer, op, deadline, preference)
+            # 3. finish MEAN, then hand out views of the result in the original dtypes
+            if op is ReduceOp.MEAN:
+                divide_for_mean(buffer, size)
+            flat = buffer.reshape(-1)
+            for index, start, stop in members:
+                original = originals[index]
+                piece = flat[start:stop].reshape(original.shape)
+                if wires[index].dtype is not original.dtype:  # travelled widened or as bytes
+                    piece = piece.view(np.bool_) if original.dtype.char == "?" \
+                        else piece.astype(original.dtype)
+                results[index] = piece
+        return results
+
+    def _reduce_one(self, comm, array, op, deadline, size, preference):
+        """One tensor: no plan, no packing (the common case of scalars and large tensors)."""
+        original = array if type(array) is np.ndarray else np.asarray(array)
+        wire = _wire(original, op)
+        out = default_pool().take(wire.shape, wire.dtype) if wire.nbytes >= _POOL_MIN_BYTES \
+            else np.empty_like(wire)
+        host_allreduce(comm, wire, out, op, deadline, preference)
+        if op is ReduceOp.MEAN:
+            divide_for_mean(out, size)
+        if wire.dtype is not original.dtype:
+            return out.view(np.bool_) if original.dtype.char == "?" else out.astype(original.dtype)
+        return out
+
+    def all_gather(self, comm, arrays, counts, axis, deadline):
+        refuse_device_buffers(arrays, self.name)
+        results = []
+        for array, rows in zip(arrays, counts):
+            array = np.asarray(array)
+            # 1. bring the gather axis to the front, so each rank's block is contiguous
+            front = np.ascontiguousarray(np.moveaxis(array, axis, 0))
+            row_elems = int(np.prod(front.shape[1:], dtype=np.int64))
+            gathered = np.empty((sum(rows),) + front.shape[1:], dtype=front.dtype)
+            # 2. variable-count gather in rank order
+            spec = [movable(gathered), [r * row_elems for r in rows]]
+            if deadline is None:
+                comm.Allgatherv(movable(front), spec)
+            else:
+                wait_all([comm.Iallgatherv(movable(front), spec)], deadline, "all_gather")
+            # 3. put the axis back where it was
+            results.append(np.moveaxis(gathered, 0, axis))
+        return results
+
+    def broadcast(self, comm, arrays, root, deadline):
+        refuse_device_buffers(arrays, self.name)
+        results = []
+        for array in arrays:
+            buffer = np.array(array, copy=True, order="C")
+            if deadline is None:
+                comm.Bcast(movable(buffer), root=root)
+            else:
+                wait_all([comm.Ibcast(movable(buffer), root=root)], deadline, "broadcast")
+            results.append(buffer)
+        return results

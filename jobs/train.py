@@ -17,7 +17,8 @@
 
 Flags: ``--data DIR`` (your own ``train.npy``/``test.npy``: float32 rows of features followed
 by a label), ``--epochs``, ``--global-batch``, ``--replicas numpy|cupy|tpu``,
-``--checkpoint-dir``, ``--checkpoint-every STEPS``, ``--deterministic``.
+``--strategy multiworker|mirrored``, ``--checkpoint-dir``, ``--checkpoint-every STEPS``,
+``--deterministic``. Other ranks print nothing unless ``--all-ranks``.
 """
 
 import argparse
@@ -48,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--replicas", choices=["numpy", "cupy", "tpu"], default="numpy",
                         help="what a replica is: a host (NumPy), a GPU per rank (CuPy), or "
                              "every JAX device of a host (TPUStrategy)")
+    parser.add_argument("--strategy", choices=["multiworker", "mirrored"], default="multiworker",
+                        help="MultiWorkerMirroredStrategy (all ranks, default) or "
+                             "MirroredStrategy (the ranks of one node)")
     parser.add_argument("--checkpoint-dir", default="out/digits/checkpoints")
     parser.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
                         help="also save every STEPS steps within an epoch (0: epoch ends only)")
@@ -62,31 +66,45 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def make_strategy(args):
-    """The strategy for ``--replicas``, and a function moving a step's values to its arrays."""
+    """The strategy for ``--replicas``/``--strategy``, and two functions that move a step's
+    values to the arrays the replicas reduce (``to_replica``) and back to JAX (``from_replica``)."""
     options = None
     if args.deterministic:
         if "deterministic" not in {f.name for f in dataclasses.fields(ms.CommunicationOptions)}:
             raise SystemExit("--deterministic: this mpistrat has no deterministic reductions "
                              "(ms.CommunicationOptions(deterministic=True) is missing)")
         options = ms.CommunicationOptions(deterministic=True)
+    same = lambda tree: tree  # noqa: E731
     if args.replicas == "tpu":
         resolver = ms.cluster_resolver.TPUClusterResolver(tpu="")
         ms.config.experimental_connect_to_cluster(resolver)
         ms.tpu.experimental.initialize_tpu_system(resolver)   # before any other JAX call
-        return ms.TPUStrategy(resolver), (lambda tree: tree)  # values stay traced JAX arrays
+        return ms.TPUStrategy(resolver), same, same           # values stay traced JAX arrays
     import jax
-    if args.replicas == "cupy":
-        try:
-            import cupy
-            cupy.cuda.runtime.getDeviceCount()
-        except Exception as err:  # ImportError, or CUDA errors without a GPU
-            raise SystemExit(f"--replicas cupy: CuPy with a GPU is not available here ({err}); "
-                             f"use --replicas numpy") from None
+    if args.strategy == "mirrored":
+        strategy = ms.MirroredStrategy(cross_device_ops=options)
+    else:
         strategy = ms.MultiWorkerMirroredStrategy(communication_options=options)
-        # gradients are all-reduced as CuPy arrays (the library's GPU path)
-        return strategy, (lambda tree: jax.tree_util.tree_map(cupy.from_dlpack, tree))
-    strategy = ms.MultiWorkerMirroredStrategy(communication_options=options)
-    return strategy, jax.device_get                          # NumPy arrays on the host
+    if args.replicas == "numpy":
+        return strategy, jax.device_get, same                 # NumPy arrays on the host
+    try:
+        import cupy
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as err:  # ImportError, or CUDA errors without a GPU
+        raise SystemExit(f"--replicas cupy: CuPy with a GPU is not available here ({err}); "
+                         f"use --replicas numpy") from None
+    from mpistrat.runtime import get_world
+    from mpistrat.runtime.devices import gpu_for_local_rank
+    gpu = gpu_for_local_rank(get_world().local_rank, count)  # one GPU per rank of a node
+    cupy.cuda.Device(gpu).use()
+    jax_gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if len(jax_gpus) != count:
+        raise SystemExit(f"--replicas cupy: CuPy sees {count} GPUs but JAX sees "
+                         f"{len(jax_gpus)}; install JAX with CUDA support (jax[cuda])")
+    jax.config.update("jax_default_device", jax_gpus[gpu])
+    # gradients are all-reduced as CuPy arrays (the library's GPU path), then go back to JAX
+    return (strategy, lambda tree: jax.tree_util.tree_map(cupy.from_dlpack, tree),
+            lambda tree: jax.tree_util.tree_map(jax.dlpack.from_dlpack, tree))
 
 
 class History:
@@ -161,7 +179,7 @@ def prepare_once(data_dir: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    strategy, to_replica = make_strategy(args)
+    strategy, to_replica, from_replica = make_strategy(args)
     chief = strategy.extended.should_checkpoint
     static = strategy.extended.experimental_require_static_shapes   # TPUStrategy
     prepare_once(args.data)
@@ -195,8 +213,8 @@ def main(argv=None) -> int:
 
     def train_step(batch):
         grads, stats = grad_fn(read(params), batch)
-        total = ms.get_replica_context().all_reduce(
-            "SUM", {"grads": to_replica(grads), "stats": to_replica(stats)})
+        total = from_replica(ms.get_replica_context().all_reduce(
+            "SUM", {"grads": to_replica(grads), "stats": to_replica(stats)}))
         rows_seen = total["stats"][2]
         grads = tree_map(lambda g: g / rows_seen, total["grads"])
         step = iterations.read_value() + 1
@@ -268,12 +286,16 @@ def main(argv=None) -> int:
     if chief:
         accuracy = history.epochs["test_accuracy"][-1]
         curves = os.path.join(args.checkpoint_dir, "curves.png")
-        plot(history, curves)
+        try:
+            plot(history, curves)
+        except ImportError as err:
+            curves = f"not drawn ({err.name} is not installed)"
         print(f"test accuracy: {accuracy:.3f}")
         print(f"checkpoints: {os.path.abspath(args.checkpoint_dir)} (latest "
               f"{os.path.basename(manager.latest_checkpoint)}; run again to continue, or "
               f"h5dump -A it)")
-        print(f"curves: {os.path.abspath(curves)}", flush=True)
+        print(f"curves: {os.path.abspath(curves) if curves.endswith('.png') else curves}",
+              flush=True)
     return 0
 
 

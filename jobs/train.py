@@ -239,7 +239,11 @@ def main(argv=None) -> int:
         print(f"{strategy.num_replicas_in_sync} replicas ({type(strategy).__name__}, "
               f"{args.replicas}), {rows} training rows, global batch {args.global_batch}, "
               f"{steps_per_epoch} steps per epoch", flush=True)
-        if handler.restored_from:
+        if handler.restored_from and int(epoch) >= args.epochs:
+            print(f"{handler.restored_from} has finished {int(epoch)} epochs already: nothing "
+                  f"to train (raise --epochs to go on, or use another --checkpoint-dir)",
+                  flush=True)
+        elif handler.restored_from:
             print(f"resumed from {handler.restored_from}: epoch {int(epoch) + 1}, step "
                   f"{handler.total_run_calls - int(epoch) * steps_per_epoch} of "
                   f"{steps_per_epoch}", flush=True)
@@ -292,8 +296,7 @@ def main(argv=None) -> int:
             curves = f"not drawn ({err.name} is not installed)"
         print(f"test accuracy: {accuracy:.3f}")
         print(f"checkpoints: {os.path.abspath(args.checkpoint_dir)} (latest "
-              f"{os.path.basename(manager.latest_checkpoint)}; run again to continue, or "
-              f"h5dump -A it)")
+              f"{os.path.basename(manager.latest_checkpoint)}.h5, HDF5: h5py or h5dump open it)")
         print(f"curves: {os.path.abspath(curves) if curves.endswith('.png') else curves}",
               flush=True)
     return 0

@@ -16,9 +16,17 @@ summary() {  # the counts in pytest's closing line of log $1
     grep -aE "[0-9]+ (passed|failed|errors?|skipped).* in [0-9.]+s" "$1" | tail -n 1
 }
 
+# The main job and preemption tests launch whole training jobs: a stage of their own.
+JOB_TESTS="tests/launcher/test_train_job.py tests/launcher/test_preemption.py"
+
 echo "=== single-process tests (unit, launcher)"
 timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=300 --timeout-method=thread \
+    $(for t in $JOB_TESTS; do echo "--ignore=$t"; done) \
     tests/unit tests/launcher 2>&1 | tee "$logs/single.log" || failed_runs="$failed_runs single"
+
+echo "=== main job (jobs/train.py at 1-4 ranks, SIGKILL and resume) and preemption"
+timeout --kill-after=15 900 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=300 --timeout-method=thread \
+    $JOB_TESTS 2>&1 | tee "$logs/jobs.log" || failed_runs="$failed_runs jobs"
 
 # ranks_run NAME N TESTS [mpirun limit] [pytest timeout]: one multi-rank pytest run; on
 # failure the logs of ranks > 0 are shown. [Gloo] lines are JAX's connection chatter.
@@ -48,7 +56,7 @@ for n in 1 2; do
 done
 
 passed=0; failed=0; skipped=0
-for f in "$logs/single.log" "$logs"/np?.rank0.log "$logs"/tpu?.rank0.log; do
+for f in "$logs/single.log" "$logs/jobs.log" "$logs"/np?.rank0.log "$logs"/tpu?.rank0.log; do
     line=$(summary "$f")
     p=$(grep -oE "[0-9]+ passed" <<<"$line" | grep -oE "[0-9]+" || true)
     x=$(grep -oE "[0-9]+ (failed|errors?)" <<<"$line" | awk '{s += $1} END {print s + 0}')

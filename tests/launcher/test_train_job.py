@@ -141,3 +141,18 @@ def test_sigkill_mid_epoch_then_restart_ends_with_the_same_model(data, reference
     for name in expected:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-6, atol=1e-7,
                                    err_msg=f"{name} after the restart")
+
+
+def test_make_run_defaults_reach_095_and_a_second_run_has_nothing_to_do(data, tmp_path):
+    command = [str(MPIRUN), "--limit", "150", "-n", "2", sys.executable, JOB, "--data",
+               str(data), "--checkpoint-dir", str(tmp_path)]     # make run's flags: defaults
+    first = subprocess.run(command, env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    assert first.returncode == 0, first.stdout[-3000:]
+    accuracy = float(re.search(r"^test accuracy: (0\.\d{3})$", first.stdout, re.M).group(1))
+    assert accuracy >= 0.95, first.stdout[-3000:]
+    second = subprocess.run(command, env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert "has finished 15 epochs already: nothing to train" in second.stdout
+    assert f"test accuracy: {accuracy:.3f}" in second.stdout

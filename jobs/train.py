@@ -24,6 +24,7 @@ by a label), ``--epochs``, ``--global-batch``, ``--replicas numpy|cupy|tpu``,
 import argparse
 import dataclasses
 import os
+import shutil
 import sys
 import time
 
@@ -139,7 +140,7 @@ class History:
         self.running = np.array(tensors["running"], np.float64)
 
 
-def plot(history: History, path: str) -> None:
+def plot(history: History, path: str, title: str) -> None:
     """Loss and accuracy curves as a PNG (written under a temporary name, then renamed)."""
     import matplotlib
     matplotlib.use("Agg")
@@ -153,7 +154,7 @@ def plot(history: History, path: str) -> None:
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
         axis.legend()
-    figure.suptitle("digits, MultiWorkerMirroredStrategy")
+    figure.suptitle(title)
     figure.tight_layout()
     temporary = f"{path}.tmp-{os.getpid()}.png"
     figure.savefig(temporary, dpi=100)
@@ -252,11 +253,14 @@ def main(argv=None) -> int:
         batch = next(iterator)        # after the preemption check: a saved position is exact
         return strategy.run(train_step, args=(batch,))
 
+    # mpirun gives ranks a terminal of size 0x0 (tqdm would then hide its bar): use the
+    # size of ours when known, else 100 columns
+    columns, lines = shutil.get_terminal_size((100, 24))
     while int(epoch) < args.epochs:
         done = handler.total_run_calls - int(epoch) * steps_per_epoch
         bar = tqdm(total=steps_per_epoch, initial=done, disable=not chief, leave=False,
                    desc=f"epoch {int(epoch) + 1}/{args.epochs}", unit="step", file=sys.stdout,
-                   mininterval=0.2, dynamic_ncols=True)
+                   mininterval=0.2, ncols=columns, nrows=lines)
         while True:
             start = time.perf_counter()
             try:
@@ -291,7 +295,8 @@ def main(argv=None) -> int:
         accuracy = history.epochs["test_accuracy"][-1]
         curves = os.path.join(args.checkpoint_dir, "curves.png")
         try:
-            plot(history, curves)
+            plot(history, curves, f"digits: {strategy.num_replicas_in_sync} replicas, "
+                                  f"{type(strategy).__name__}")
         except ImportError as err:
             curves = f"not drawn ({err.name} is not installed)"
         print(f"test accuracy: {accuracy:.3f}")

@@ -88,7 +88,7 @@ def main():
         comm.Barrier()
     gib = nbytes / (1 << 30)
     emit(comm, {"benchmark": "checkpoint", "ranks": size, "gib": round(gib, 3),
-                "mode": "parallel" if ms.checkpoint.h5format.parallel_available() else "parts",
+                "mode": ms.checkpoint.h5write.checkpoint_mode(),
                 "save_s": round(ours_save, 3), "raw_write_fsync_s": round(raw_write, 3),
                 "save_vs_raw": round(raw_write / ours_save, 3), "save_target": 0.7,
                 "restore_s": round(ours_restore, 3), "raw_read_s": round(raw_read, 3),

@@ -70,7 +70,7 @@ def info() -> dict:
     import mpi4py
     from mpi4py import MPI
 
-    from mpistrat.checkpoint.h5format import parallel_available
+    from mpistrat.checkpoint.h5write import checkpoint_mode
     from mpistrat.collectives.backends import select_backend
     from mpistrat.collectives.options import CommunicationImplementation
     from mpistrat.runtime import get_world
@@ -108,7 +108,7 @@ def info() -> dict:
         "nccl": nccl_available()[0], "nccl_how": nccl_available()[1],
         "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version,
         "h5py_mpi": bool(h5py.get_config().mpi),
-        "checkpoint_mode": "parallel" if parallel_available() else "parts",
+        "checkpoint_mode": checkpoint_mode(),
         "cupy": gpus["cupy"], "gpus": gpus["gpus"], **jax_facts,
         "slurm": {k: os.environ[k] for k in _SLURM if k in os.environ} or None,
     }

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
-APT_PACKAGES="openmpi-bin libopenmpi-dev libhdf5-openmpi-dev pkg-config"
+APT_PACKAGES="openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools pkg-config"
 STAMP="$VENV/.mpistrat-setup"
 want_stamp=$(cat scripts/setup.sh pyproject.toml | sha256sum | cut -c1-16)
 

@@ -16,19 +16,24 @@ Every call is collective: all ranks save and restore together.
 """
 
 import os
-import threading
 import time
+import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.checkpoint.files import data_file, remove_leftovers, resolve
+from mpistrat.checkpoint import writer
+from mpistrat.checkpoint.agree import Failure, agree_errors, agree_view
+from mpistrat.checkpoint.files import (data_file, local_view, missing_hint, remove_leftovers,
+                                       state_name)
 from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots
-from mpistrat.checkpoint.h5format import gather_errors, parallel_available, read_file, write_file
+from mpistrat.checkpoint.h5read import read_catalog, read_values
+from mpistrat.checkpoint.h5write import write_file
 from mpistrat.checkpoint.state_file import CheckpointState, read_state, write_state
 from mpistrat.collectives import CollectiveEngine
+from mpistrat.errors import DataLossError, NotFoundError
 from mpistrat.distribute.variables import Variable
 from mpistrat.runtime import get_world
 
@@ -115,7 +120,7 @@ class Checkpoint:
         object.__setattr__(self, "_root", root)
         object.__setattr__(self, "_pending", {})   # path -> value, for objects attached later
         object.__setattr__(self, "_status", None)
-        object.__setattr__(self, "_async", None)   # (thread, error box) of a save in flight
+        object.__setattr__(self, "_async", None)   # this object's save in flight (writer.Job)
         counter = Variable(np.int64(0), name="save_counter")
         counter._strategy = None  # a local counter: every rank counts the same saves
         object.__setattr__(self, "save_counter", counter)
@@ -164,56 +169,55 @@ class Checkpoint:
         return self._write(os.fspath(file_prefix), options)
 
     def save(self, file_prefix: str, options: Optional[CheckpointOptions] = None) -> str:
-        """Increment ``save_counter``, write ``file_prefix-N``, update the state file."""
-        self.sync()
-        self.save_counter.assign_add(1)
-        path = f"{os.fspath(file_prefix)}-{int(self.save_counter.numpy())}"
-        return self._write(path, options, on_commit=lambda: _record_latest(path))
+        """Increment ``save_counter``, write ``file_prefix-N``, update the state file.
 
-    def _write(self, path: str, options, on_commit=None) -> str:
-        """Write ``path``; then ``on_commit()`` on rank 0 (in the writing thread)."""
+        If the save fails (on any rank), every rank raises the same error and
+        ``save_counter``, the state file and the previous checkpoint are unchanged.
+        """
         self.sync()
-        engine = _io_engine()
-        directory = os.path.dirname(path) or "."
-        error = None
-        if engine.rank == 0:
-            try:
-                os.makedirs(directory, exist_ok=True)
-                remove_leftovers(directory)
-            except OSError as err:
-                error = f"rank 0 could not prepare {directory}: {err}"
-        error = engine.broadcast_object(error)  # leftovers are gone before anyone writes
-        if error:
-            raise OSError(error)
-        slots = collect_slots(self._named())
-        asynchronous = options is not None and options.asynchronous
-        # An async save stages a copy (training may change the values meanwhile).
-        values = {p: np.array(s.read(), copy=asynchronous) for p, s in sorted(slots.items())}
-        kinds = {p: s.kind for p, s in slots.items()}
-        job = _SaveJob(path, values, kinds, engine, on_commit)
-        if asynchronous:
-            if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        previous = int(self.save_counter.numpy())
+        self.save_counter.assign_add(1)
+        path = f"{os.fspath(file_prefix)}-{previous + 1}"
+        return self._write(path, options, on_commit=lambda: _record_latest(path),
+                           on_failure=lambda: self.save_counter.assign(previous))
+
+    def _write(self, path: str, options, on_commit=None, on_success=None,
+               on_failure=None) -> str:
+        """Write ``path``; ``on_commit()`` on rank 0 once it is complete (before the others go
+        on), then ``on_success()`` on every rank; ``on_failure()`` on every rank if it failed."""
+        try:
+            self.sync()
+            writer.wait_idle()
+            engine = _io_engine()
+            _prepare_directory(os.path.dirname(path) or ".", engine, path)
+            slots = collect_slots(self._named())
+            asynchronous = options is not None and options.asynchronous
+            if asynchronous and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
                 raise RuntimeError("async checkpoints need MPI_THREAD_MULTIPLE; this MPI "
                                    "was initialised with less")
-            box: Dict[str, BaseException] = {}
-            thread = threading.Thread(target=job.run_into, args=(box,), daemon=True,
-                                      name=f"mpistrat-save {os.path.basename(path)}")
-            object.__setattr__(self, "_async", (thread, box))
-            thread.start()
+            # An async save stages a copy (training may change the values meanwhile).
+            values = {p: np.array(s.read(), copy=asynchronous) for p, s in sorted(slots.items())}
+            kinds = {p: s.kind for p, s in slots.items()}
+        except BaseException:
+            if on_failure is not None:
+                on_failure()
+            raise
+        job = _SaveJob(path, values, kinds, engine, on_commit, on_success, on_failure)
+        if asynchronous:
+            object.__setattr__(self, "_async", writer.start(job.run, os.path.basename(path)))
         else:
             job.run()
         return path
 
     def sync(self) -> None:
-        """Wait for an async save; raise its error, if it failed."""
-        pending = self._async
-        if pending is None:
+        """Wait for this object's async save; raise its error, if it failed."""
+        job = self._async
+        if job is None:
             return
         object.__setattr__(self, "_async", None)
-        thread, box = pending
-        thread.join()
-        if "error" in box:
-            raise box["error"]
+        error = job.take_error()
+        if error is not None:
+            raise error
 
     # -- restoring -----------------------------------------------------------
     def read(self, save_path: str, options: Optional[CheckpointOptions] = None):
@@ -225,14 +229,24 @@ class Checkpoint:
 
         ``None`` restores nothing. Raises ``NotFoundError`` for a missing path,
         ``ValueError`` (naming the object path) for a shape or dtype mismatch,
-        ``DataLossError`` for a corrupt file.
+        ``DataLossError`` for a corrupt or crafted file; the same on every rank.
+        The file is validated, and shapes compared with the objects, before
+        any value is read.
         """
         if save_path is None:
             return InitializationOnlyStatus()
         self.sync()
-        final = resolve(save_path)
-        values, kinds = read_file(final, _io_engine())
+        writer.wait_idle()
+        engine = _io_engine()
+        path = os.fspath(save_path)
+        final = data_file(path)
+        if agree_view(engine, local_view(final), final) != "file":
+            raise NotFoundError(f"no checkpoint at {path} (looked for {final}){missing_hint(path)}")
+        catalog = read_catalog(final, engine)
         slots = collect_slots(self._named(), self._assign)
+        for name in sorted(set(slots) & set(catalog)):
+            _check_compatible(slots[name], catalog[name], name, final)
+        values = read_values(final, catalog, engine, catalog)
         matched = self._apply(slots, values, final)
         pending = {p: v for p, v in values.items() if p not in matched}
         object.__setattr__(self, "_pending", pending)
@@ -264,9 +278,23 @@ class Checkpoint:
             self._status.unmatched_values -= matched
 
 
-def _check_compatible(slot: Slot, value: np.ndarray, path: str, source: str) -> None:
+def _prepare_directory(directory: str, engine: CollectiveEngine, path: str) -> None:
+    """Rank 0 creates ``directory`` and removes our leftovers; every rank must then see it."""
+    failure = None
+    if engine.rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            remove_leftovers(directory)
+        except OSError as err:
+            failure = Failure(err, 0, f"preparing {directory}")
+    agree_errors(engine, failure, f"saving checkpoint {path}")
+    agree_view(engine, local_view(directory), f"checkpoint directory {directory}")
+
+
+def _check_compatible(slot: Slot, value, path: str, source: str) -> None:
+    """``value`` (an array, or a catalog entry before reading) fits the object at ``path``."""
     owner = slot.owner
-    if slot.kind in ("variable", "array"):
+    if slot.kind in ("variable", "array") and owner is not None:
         shape, dtype = tuple(owner.shape), np.dtype(owner.dtype)
         if tuple(value.shape) != shape or value.dtype != dtype:
             raise ValueError(f"cannot restore {path!r} from {source}: the checkpoint holds "
@@ -274,50 +302,97 @@ def _check_compatible(slot: Slot, value: np.ndarray, path: str, source: str) -> 
 
 
 class _SaveJob:
-    """The write of one checkpoint (in the caller's thread, or a background one)."""
+    """The write of one checkpoint (in the caller's thread, or the writer thread)."""
 
-    def __init__(self, path, values, kinds, engine, on_commit):
+    def __init__(self, path, values, kinds, engine, on_commit, on_success, on_failure):
         self.path, self.values, self.kinds = path, values, kinds
         self.engine, self.on_commit = engine, on_commit
+        self.on_success, self.on_failure = on_success, on_failure
 
     def run(self) -> None:
-        write_file(data_file(self.path), self.values, self.kinds, self.engine.comm, self.engine,
-                   parallel_available())
-        error = None
-        if self.on_commit is not None and self.engine.rank == 0:
-            try:
-                self.on_commit()
-            except Exception as err:  # noqa: BLE001 - shared with every rank below
-                error = f"rank 0: updating the checkpoint state for {self.path}: {err}"
-        errors = gather_errors(self.engine, error)
-        if errors:  # the state file names the new checkpoint before anyone moves on
-            raise OSError(errors[0])
-
-    def run_into(self, box: Dict[str, BaseException]) -> None:
         try:
-            self.run()
-        except BaseException as err:  # noqa: BLE001 - surfaced by sync() or the next save
-            box["error"] = err
+            write_file(data_file(self.path), self.values, self.kinds, self.engine)
+            failure = None
+            if self.on_commit is not None and self.engine.rank == 0:
+                try:
+                    self.on_commit()
+                except Exception as err:  # noqa: BLE001 - shared with every rank below
+                    failure = Failure(err, 0, "updating the checkpoint state file")
+            # the state file names the new checkpoint before anyone moves on
+            agree_errors(self.engine, failure, f"saving checkpoint {self.path}")
+        except BaseException:
+            if self.on_failure is not None:
+                self.on_failure()
+            raise
+        if self.on_success is not None:
+            self.on_success()
+
+
+def read_kept(directory: str) -> Tuple[Optional[str], List[Tuple[str, float]], float]:
+    """This rank's reading of the state file: latest name, kept ``(name, time)``, preserved time.
+
+    Names are validated (``files.state_name``): any that would lead outside the
+    directory is ignored with a warning, never read or deleted; names whose
+    file is missing are dropped.
+    """
+    state = read_state(directory)
+    if state is None:
+        return None, [], 0.0
+    kept, refused = [], []
+    times = state.all_model_checkpoint_timestamps
+    for index, raw in enumerate(state.all_model_checkpoint_paths):
+        name = state_name(directory, raw)
+        if name is None:
+            refused.append(raw)
+        elif os.path.isfile(data_file(os.path.join(directory, name))):
+            kept.append((name, times[index] if index < len(times) else 0.0))
+    latest = state_name(directory, state.model_checkpoint_path) if state.model_checkpoint_path \
+        else None
+    if state.model_checkpoint_path and latest is None:
+        refused.append(state.model_checkpoint_path)
+    if latest is not None and not os.path.isfile(data_file(os.path.join(directory, latest))):
+        latest = None
+    if refused:
+        warnings.warn(f"the checkpoint state file in {directory} names paths outside the "
+                      f"directory; ignored: {refused}", RuntimeWarning, stacklevel=3)
+    return latest, kept, state.last_preserved_timestamp
 
 
 def _record_latest(path: str) -> None:
     """Name ``path`` as the latest checkpoint, keeping the others listed."""
     directory, name = os.path.split(path)
     directory = directory or "."
-    state = read_state(directory) or CheckpointState(name)
-    times = dict(zip(state.all_model_checkpoint_paths, state.all_model_checkpoint_timestamps))
+    try:
+        _, kept, preserved = read_kept(directory)
+    except DataLossError:
+        kept, preserved = [], 0.0  # a damaged state file is replaced by a good one
+    times = dict(kept)
     times.pop(name, None)
     times[name] = time.time()
-    write_state(directory, CheckpointState(name, list(times), list(times.values()),
-                                           state.last_preserved_timestamp))
+    write_state(directory, CheckpointState(name, list(times), list(times.values()), preserved))
+
+
+def agreed_state(directory: str, engine: CollectiveEngine):
+    """``read_kept(directory)`` as every rank sees it; ranks that see differently raise."""
+    writer.wait_idle()
+    try:
+        view = ("ok",) + read_kept(directory)
+    except DataLossError as err:
+        view = ("error", str(err))
+    agree_view(engine, view, f"checkpoint directory {directory}")
+    if view[0] == "error":
+        raise DataLossError(view[1])
+    return view[1:]
 
 
 def latest_checkpoint(checkpoint_dir: str, latest_filename: Optional[str] = None) -> Optional[str]:
-    """The path of the newest complete checkpoint in ``checkpoint_dir``, or ``None``."""
-    state = read_state(os.fspath(checkpoint_dir))
-    if state is None or not state.model_checkpoint_path:
-        return None
-    path = state.model_checkpoint_path
-    if not os.path.isabs(path):
-        path = os.path.join(os.fspath(checkpoint_dir), path)
-    return path if os.path.isfile(data_file(path)) else None
+    """The path of the newest complete checkpoint in ``checkpoint_dir``, or ``None``.
+
+    Collective, like every checkpoint call: each rank reads the state file and
+    the ranks agree, so ranks that see different directories (node-local
+    storage) raise ``NotFoundError`` together, naming what each saw. It waits
+    for an async save in flight first, so all ranks answer alike.
+    """
+    directory = os.fspath(checkpoint_dir)
+    latest, _, _ = agreed_state(directory, _io_engine())
+    return os.path.join(directory, latest) if latest is not None else None

@@ -1,23 +1,36 @@
-"""Names of checkpoint files, and the clean-up of what torn saves left behind.
+"""Names of checkpoint files, the marker that proves a file is ours, and clean-up.
 
 A checkpoint ``dir/ckpt-3`` is the file ``dir/ckpt-3.h5`` (plus, in part-file
-mode, ``dir/ckpt-3.part-R-of-N.h5``). Temporary files are ``.NAME.tmp-TOKEN``.
+mode, ``dir/ckpt-3.part-R-of-N-TOKEN.h5``). While it is written it is
+``dir/.ckpt-3.h5.tmp-TOKEN``. Every file this library writes starts with a
+512-byte HDF5 user block holding :data:`MARKER`; clean-up deletes only files
+whose name follows one of our patterns *and* that start with the marker, so
+other programs' files in the same directory are never touched.
 
-    >>> from mpistrat.checkpoint.files import data_file
+    >>> from mpistrat.checkpoint.files import data_file, state_name
     >>> data_file("/tmp/run/ckpt-3")
     '/tmp/run/ckpt-3.h5'
+    >>> state_name("/tmp/run", "ckpt-3"), state_name("/tmp/run", "../victim/data")
+    ('ckpt-3', None)
 """
 
 import glob
 import os
 import re
-from typing import List
+from typing import Iterable, List, Optional
 
-from mpistrat.errors import NotFoundError
+__all__ = ["data_file", "temp_name", "part_name", "MARKER", "USERBLOCK", "write_marker",
+           "is_ours", "state_name", "local_view", "remove_checkpoint", "remove_leftovers",
+           "missing_hint"]
 
-__all__ = ["data_file", "resolve", "remove_checkpoint", "remove_leftovers"]
+USERBLOCK = 512                              # bytes reserved at the start of each HDF5 file
+MARKER = b"mpistrat checkpoint file\n"       # the first bytes of every file we write
+TOKEN_HEX = 32                               # hex digits of the per-save random token
 
-_PART = re.compile(r"^(?P<stem>.+)\.part-\d+-of-\d+\.h5(\.tmp)?$")
+_TEMP = re.compile(r"^\.(?P<final>[A-Za-z0-9_.\-]+)\.tmp-[0-9a-f]{%d}$" % TOKEN_HEX)
+_PART = re.compile(r"^(?P<stem>[A-Za-z0-9_.\-]+)\.part-(?P<rank>\d+)-of-(?P<size>\d+)"
+                   r"(?:-(?P<token>[0-9a-f]{%d}))?\.h5$" % TOKEN_HEX)
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
 def data_file(prefix: str) -> str:
@@ -25,44 +38,148 @@ def data_file(prefix: str) -> str:
     return prefix if prefix.endswith(".h5") else prefix + ".h5"
 
 
-def resolve(save_path: str) -> str:
-    """The existing file for ``save_path``, or ``NotFoundError`` with a hint."""
-    path = os.fspath(save_path)
-    if os.path.isfile(data_file(path)):
-        return data_file(path)
-    hint = ""
-    if not re.search(r"-\d+(\.h5)?$", path):
-        siblings = sorted(glob.glob(glob.escape(path) + "-*.h5"))
-        hint = ("; checkpoints written by save() carry a '-N' suffix"
-                + (f", e.g. {siblings[-1][:-3]}" if siblings else ""))
-    raise NotFoundError(f"no checkpoint at {path} (looked for {data_file(path)}){hint}")
+def temp_name(final: str, token: str) -> str:
+    """The name ``final`` is written under until it is complete."""
+    directory, base = os.path.split(final)
+    return os.path.join(directory, f".{base}.tmp-{token}")
 
 
-def remove_checkpoint(prefix: str) -> None:
-    """Delete a checkpoint's file and any part files."""
-    final = data_file(prefix)
-    for path in [final] + glob.glob(glob.escape(final[:-3]) + ".part-*-of-*.h5"):
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
+def part_name(final: str, rank: int, size: int, token: str) -> str:
+    """Rank ``rank``'s part file of ``final`` in part-file mode (the token keeps older parts)."""
+    stem = final[:-3] if final.endswith(".h5") else final
+    return f"{stem}.part-{rank}-of-{size}-{token}.h5"
 
 
-def remove_leftovers(directory: str) -> List[str]:
-    """Delete temporary files and orphaned part files of torn saves; return their names."""
-    removed = []
+def part_match(name: str, stem: str) -> Optional[re.Match]:
+    """The match of a part-file base name belonging to checkpoint ``stem``, else ``None``."""
+    match = _PART.match(name)
+    return match if match and match["stem"] == stem else None
+
+
+def write_marker(path: str) -> None:
+    """Write :data:`MARKER` into the user block of a file just created by h5py."""
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, MARKER, 0)
+    finally:
+        os.close(fd)
+
+
+def is_ours(path: str) -> bool:
+    """Whether ``path`` is a regular file that starts with our marker (format 2 and later)."""
+    try:
+        if not os.path.isfile(path) or os.path.islink(path):
+            return False
+        with open(path, "rb") as handle:
+            return handle.read(len(MARKER)) == MARKER
+    except OSError:
+        return False
+
+
+def state_name(directory: str, name: str) -> Optional[str]:
+    """A checkpoint name from the state file, as a base name inside ``directory``, or ``None``.
+
+    TensorFlow writes names relative to the directory. An absolute name is
+    accepted only when it lies directly in ``directory``; anything else
+    (``..``, sub-directories, other directories) is refused, so a state file
+    can neither make us read outside the directory nor delete anything there.
+    """
+    if not isinstance(name, str) or not name or "\x00" in name:
+        return None
+    if os.path.isabs(name):
+        parent, base = os.path.split(os.path.normpath(name))
+        if os.path.realpath(parent) != os.path.realpath(directory or "."):
+            return None
+        name = base
+    if not _NAME.match(name) or name in (".", ".."):
+        return None
+    return name
+
+
+def local_view(path: str) -> str:
+    """What this rank sees at ``path``: ``file``, ``dir``, ``missing`` or ``other``."""
+    if os.path.isfile(path):
+        return "file"
+    if os.path.isdir(path):
+        return "dir"
+    return "missing" if not os.path.lexists(path) else "other"
+
+
+def missing_hint(path: str) -> str:
+    """A hint for a missing checkpoint path (the ``-N`` suffix of ``save``)."""
+    if re.search(r"-\d+(\.h5)?$", path):
+        return ""
+    siblings = sorted(glob.glob(glob.escape(path) + "-*.h5"))
+    return ("; checkpoints written by save() carry a '-N' suffix"
+            + (f", e.g. {siblings[-1][:-3]}" if siblings else ""))
+
+
+def _remove(path: str, removed: List[str]) -> None:
+    try:
+        os.remove(path)
+        removed.append(os.path.basename(path))
+    except FileNotFoundError:
+        pass
+
+
+def _parts_of(final: str) -> Iterable[str]:
+    directory, base = os.path.split(final)
+    stem = base[:-3]
     try:
         names = os.listdir(directory or ".")
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        match = _PART.match(name)
-        orphan = match and (name.endswith(".tmp") or
-                            not os.path.exists(os.path.join(directory, match["stem"] + ".h5")))
-        if (name.startswith(".") and ".tmp-" in name) or orphan:
-            try:
-                os.remove(os.path.join(directory, name))
-                removed.append(name)
-            except FileNotFoundError:
-                pass
+    except OSError:
+        return []
+    return [os.path.join(directory, n) for n in names if part_match(n, stem)]
+
+
+def remove_checkpoint(prefix: str, keep_token: Optional[str] = None) -> List[str]:
+    """Delete checkpoint ``prefix`` (its file and part files), if they are ours.
+
+    With ``keep_token``, only the part files of other saves are deleted (the
+    clean-up after a save that replaced the same prefix). Returns the names removed.
+    """
+    final, removed = data_file(prefix), []
+    if keep_token is None and is_ours(final):
+        _remove(final, removed)
+    for path in _parts_of(final):
+        match = _PART.match(os.path.basename(path))
+        if keep_token is not None and match["token"] == keep_token:
+            continue
+        if is_ours(path):
+            _remove(path, removed)
     return removed
+
+
+def remove_leftovers(directory: str, keep_tokens: Iterable[str] = ()) -> List[str]:
+    """Delete what torn saves left in ``directory``: our temporary files and orphaned parts.
+
+    A file is deleted only when its name follows our pattern and it starts
+    with our marker; returns the names removed.
+    """
+    removed: List[str] = []
+    try:
+        names = os.listdir(directory or ".")
+    except OSError:
+        return removed
+    keep = set(keep_tokens)
+    for name in names:
+        path = os.path.join(directory, name)
+        temp, part = _TEMP.match(name), _PART.match(name)
+        if temp and not any(name.endswith(t) for t in keep) and is_ours(path):
+            _remove(path, removed)
+        elif part and part["token"] and part["token"] not in keep and is_ours(path) \
+                and _orphan(os.path.join(directory, part["stem"] + ".h5"), part["token"]):
+            _remove(path, removed)
+    return removed
+
+
+def _orphan(master: str, token: str) -> bool:
+    """Whether no complete master refers to the parts of save ``token``."""
+    if not is_ours(master):
+        return True
+    import h5py  # the master names the token of the parts it maps
+    try:
+        with h5py.File(master, "r") as f:
+            return f.attrs.get("mpistrat_token") != token
+    except (OSError, ValueError):
+        return False  # unreadable: leave it alone

@@ -112,6 +112,7 @@ def _walk(obj: Any, path: str, setter, slots: Dict[str, Slot], seen: set) -> Non
                 f"{path}/{key}", "state",
                 lambda o=obj, k=key: np.asarray(o._serialize_to_tensors()[k]), None, obj)
     elif isinstance(obj, dict):
+        _check_distinct_keys(obj, path)
         for key in sorted(obj, key=str):
             _walk(obj[key], f"{path}/{check_segment(key)}",
                   lambda v, k=key: obj.__setitem__(k, v), slots, seen)
@@ -129,6 +130,16 @@ def _walk(obj: Any, path: str, setter, slots: Dict[str, Slot], seen: set) -> Non
             if not name.startswith("_"):
                 _walk(child, f"{path}/{check_segment(name)}",
                       lambda v, n=name: setattr(obj, n, v), slots, seen)
+
+
+def _check_distinct_keys(obj: dict, path: str) -> None:
+    """Keys that name the same path segment (``1`` and ``"1"``) cannot both be saved."""
+    names: Dict[str, Any] = {}
+    for key in obj:
+        other = names.setdefault(str(key), key)
+        if other is not key and other != key:
+            raise ValueError(f"checkpoint object {path!r}: keys {other!r} and {key!r} both save "
+                             f"as {path}/{key}; rename one of them")
 
 
 def _copy_into(target: np.ndarray, value: np.ndarray, path: str) -> None:

@@ -11,11 +11,12 @@
 
 import os
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
-from mpistrat.checkpoint.checkpoint import Checkpoint, CheckpointOptions
-from mpistrat.checkpoint.files import data_file, remove_checkpoint
-from mpistrat.checkpoint.state_file import CheckpointState, read_state, write_state
+from mpistrat.checkpoint import writer
+from mpistrat.checkpoint.checkpoint import Checkpoint, CheckpointOptions, _io_engine, agreed_state
+from mpistrat.checkpoint.files import remove_checkpoint
+from mpistrat.checkpoint.state_file import CheckpointState, write_state
 
 __all__ = ["CheckpointManager"]
 
@@ -26,7 +27,10 @@ class CheckpointManager:
     ``keep_checkpoint_every_n_hours`` preserves one checkpoint per period from
     deletion; ``step_counter`` with ``checkpoint_interval`` makes ``save`` skip
     until that many steps have passed. The list is reloaded from the state
-    file when the manager is created.
+    file when the manager is made (collectively: ranks that see different
+    directories raise together). Only names inside the directory are trusted,
+    and only files this library wrote are ever deleted. A failed save changes
+    nothing: the list, the state file and ``save_counter`` stay as they were.
     """
 
     def __init__(self, checkpoint: Checkpoint, directory: str, max_to_keep: Optional[int],
@@ -47,16 +51,12 @@ class CheckpointManager:
         self._interval = checkpoint_interval
         self._init_fn = init_fn
         self._last_saved_step: Optional[int] = None
-        state = read_state(self._directory)
-        self._kept: Dict[str, float] = {}
-        self._last_preserved = time.time()
-        if state is not None:
-            self._last_preserved = state.last_preserved_timestamp or self._last_preserved
-            times = state.all_model_checkpoint_timestamps
-            for index, name in enumerate(state.all_model_checkpoint_paths):
-                path = name if os.path.isabs(name) else os.path.join(self._directory, name)
-                if os.path.isfile(data_file(path)):
-                    self._kept[path] = times[index] if index < len(times) else time.time()
+        latest, kept, preserved = agreed_state(self._directory, _io_engine())
+        self._kept: Dict[str, float] = {os.path.join(self._directory, n): t for n, t in kept}
+        if latest is not None:  # the latest comes last, as in the state file TensorFlow writes
+            path = os.path.join(self._directory, latest)
+            self._kept[path] = self._kept.pop(path, time.time())
+        self._last_preserved = preserved or time.time()
 
     @property
     def directory(self) -> str:
@@ -68,12 +68,14 @@ class CheckpointManager:
 
     @property
     def checkpoints(self) -> List[str]:
-        """The kept checkpoints, oldest first."""
+        """The kept checkpoints, oldest first (after the save in flight, if any)."""
+        writer.wait_idle()
         return list(self._kept)
 
     @property
     def latest_checkpoint(self) -> Optional[str]:
-        """The newest kept checkpoint, or ``None``."""
+        """The newest kept checkpoint, or ``None`` (after the save in flight, if any)."""
+        writer.wait_idle()
         return list(self._kept)[-1] if self._kept else None
 
     @property
@@ -87,44 +89,57 @@ class CheckpointManager:
             step = int(self._step_counter)
             if self._last_saved_step is not None and step < self._last_saved_step + self._interval:
                 return None
-            self._last_saved_step = step
         self._checkpoint.sync()
-        self._checkpoint.save_counter.assign_add(1)
-        number = int(checkpoint_number) if checkpoint_number is not None \
-            else int(self._checkpoint.save_counter.numpy())
+        counter = self._checkpoint.save_counter
+        previous = int(counter.numpy())
+        counter.assign_add(1)
+        number = int(checkpoint_number) if checkpoint_number is not None else previous + 1
         path = f"{self._prefix}-{number}"
-        self._kept.pop(path, None)
-        self._kept[path] = time.time()
-        deleted = self._sweep()
-        self._checkpoint._write(path, options, on_commit=lambda: self._commit(path, deleted))
+        writer.wait_idle()
+        kept = dict(self._kept)
+        kept.pop(path, None)
+        kept[path] = time.time()
+        kept, deleted, preserved = self._sweep(kept)
+        step = int(self._step_counter) if self._interval is not None else None
+
+        def on_success():  # every rank, once the save is complete and agreed
+            self._kept, self._last_preserved = kept, preserved
+            if step is not None:
+                self._last_saved_step = step
+
+        self._checkpoint._write(path, options,
+                                on_commit=lambda: self._commit(path, kept, preserved, deleted),
+                                on_success=on_success,
+                                on_failure=lambda: counter.assign(previous))
         return path
 
-    def _sweep(self) -> List[str]:
-        """Drop the oldest entries beyond ``max_to_keep`` from the list; return those to delete."""
-        deleted = []
-        while self._max_to_keep is not None and len(self._kept) > self._max_to_keep:
-            path, stamp = next(iter(self._kept.items()))
-            del self._kept[path]
-            if self._keep_seconds and stamp - self._last_preserved >= self._keep_seconds:
-                self._last_preserved = stamp  # preserved: left on disk, no longer listed
+    def _sweep(self, kept: Dict[str, float]) -> Tuple[Dict[str, float], List[str], float]:
+        """Drop the oldest beyond ``max_to_keep``; return the list, those to delete, preserved."""
+        deleted, preserved = [], self._last_preserved
+        while self._max_to_keep is not None and len(kept) > self._max_to_keep:
+            path, stamp = next(iter(kept.items()))
+            del kept[path]
+            if self._keep_seconds and stamp - preserved >= self._keep_seconds:
+                preserved = stamp  # preserved: left on disk, no longer listed
                 continue
             deleted.append(path)
-        return deleted
+        return kept, deleted, preserved
 
-    def _commit(self, path: str, deleted: List[str]) -> None:
-        """On rank 0, once ``path`` is complete: state file first, then deletions."""
-        names = [os.path.relpath(p, self._directory) for p in self._kept]
-        write_state(self._directory, CheckpointState(
-            os.path.relpath(path, self._directory), names, list(self._kept.values()),
-            self._last_preserved))
+    def _commit(self, path: str, kept: Dict[str, float], preserved: float,
+                deleted: List[str]) -> None:
+        """On rank 0, once ``path`` is complete: state file first, then deletions of our files."""
+        names = [os.path.basename(p) for p in kept]
+        write_state(self._directory, CheckpointState(os.path.basename(path), names,
+                                                     list(kept.values()), preserved))
         for old in deleted:
             remove_checkpoint(old)
 
     def restore_or_initialize(self) -> Optional[str]:
         """Restore the latest checkpoint and return its path, else run ``init_fn``."""
-        if self.latest_checkpoint is not None:
-            self._checkpoint.restore(self.latest_checkpoint)
-            return self.latest_checkpoint
+        latest = self.latest_checkpoint
+        if latest is not None:
+            self._checkpoint.restore(latest)
+            return latest
         if self._init_fn is not None:
             self._init_fn()
         return None

@@ -18,15 +18,19 @@ anything::
 """
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from mpistrat.errors import DataLossError
+
 __all__ = ["CheckpointState", "format_state", "parse_state", "read_state", "write_state",
            "STATE_FILE"]
 
 STATE_FILE = "checkpoint"
+MAX_STATE_BYTES = 1 << 20
 _LINE = re.compile(r'^\s*([a-z_]+)\s*:\s*(.+?)\s*$')
 
 
@@ -64,10 +68,22 @@ def parse_state(text: str) -> CheckpointState:
         elif key == "all_model_checkpoint_paths":
             state.all_model_checkpoint_paths.append(_string(raw, number))
         elif key == "all_model_checkpoint_timestamps":
-            state.all_model_checkpoint_timestamps.append(float(raw))
+            state.all_model_checkpoint_timestamps.append(_time(raw, number))
         elif key == "last_preserved_timestamp":
-            state.last_preserved_timestamp = float(raw)
+            state.last_preserved_timestamp = _time(raw, number)
     return state
+
+
+def _time(raw: str, number: int) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"line {number} of the checkpoint state file: {raw!r} is not a "
+                         f"time") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"line {number} of the checkpoint state file: time {raw} is not a "
+                         f"finite, non-negative number")
+    return value
 
 
 def _string(raw: str, number: int) -> str:
@@ -80,25 +96,44 @@ def _string(raw: str, number: int) -> str:
 
 
 def read_state(directory: str) -> Optional[CheckpointState]:
-    """The state in ``directory``, or ``None`` when there is no state file."""
+    """The state in ``directory``, or ``None`` when there is no state file.
+
+    A state file that is too large, not text, or malformed raises
+    ``DataLossError`` naming it (what to do: delete or repair it).
+    """
     path = os.path.join(directory, STATE_FILE)
     try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_STATE_BYTES + 1)
     except FileNotFoundError:
         return None
-    return parse_state(text)
+    except IsADirectoryError:
+        raise DataLossError(f"checkpoint state file {path} is a directory") from None
+    try:
+        if len(data) > MAX_STATE_BYTES:
+            raise ValueError(f"it is larger than {MAX_STATE_BYTES} bytes")
+        return parse_state(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise DataLossError(f"checkpoint state file {path} is damaged or not a state file "
+                            f"({err}); delete it or restore it from a backup") from None
 
 
 def write_state(directory: str, state: CheckpointState) -> None:
-    """Replace the state file atomically."""
+    """Replace the state file atomically (nothing is left behind if it fails)."""
     path = os.path.join(directory, STATE_FILE)
     tmp = os.path.join(directory, f".{STATE_FILE}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(format_state(state))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(format_state(state))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
     fd = os.open(directory or ".", os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -36,11 +36,16 @@ def validation_enabled() -> bool:
     return os.environ.get("MPISTRAT_VALIDATE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+_MAX_CACHED = 4096  # signatures remembered; a program with ever-new shapes cannot grow it
+
+
 def _hash(key: tuple) -> int:
     value = _HASHES.get(key)
     if value is None:
         digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
         value = int.from_bytes(digest, "little", signed=True) >> 1  # room to negate
+        if len(_HASHES) >= _MAX_CACHED:
+            _HASHES.clear()
         _HASHES[key] = value
     return value
 

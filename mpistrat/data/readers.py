@@ -21,10 +21,21 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.data.dataset import Dataset
-from mpistrat.errors import NotFoundError
+from mpistrat.errors import DataLossError, NotFoundError
 
 __all__ = ["RecordFiles", "FixedLengthRecordDataset", "NpyDataset", "HDF5Rows", "HDF5Dataset",
            "BatchedRecords"]
+
+
+_NUMERIC_KINDS = set("biufc")
+
+
+def _numeric(dtype, what: str) -> np.dtype:
+    """A plain numeric or bool dtype, else ``ValueError`` (no objects, strings or records)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind not in _NUMERIC_KINDS or dtype.fields is not None or dtype.subdtype is not None:
+        raise ValueError(f"{what}: dtype {dtype} is not supported (plain numeric and bool only)")
+    return dtype
 
 
 class RecordFiles(Dataset):
@@ -38,14 +49,20 @@ class RecordFiles(Dataset):
         if not self.files:
             raise ValueError("a record dataset needs at least one file")
         self.record_bytes, self.header_bytes = int(record_bytes), int(header_bytes)
-        self.dtype = np.dtype(dtype) if dtype is not None else np.dtype(np.uint8)
+        if self.record_bytes <= 0:
+            raise ValueError(f"record_bytes must be positive, got {record_bytes}")
+        if self.header_bytes < 0 or int(footer_bytes) < 0:
+            raise ValueError(f"header_bytes and footer_bytes must not be negative, got "
+                             f"{header_bytes} and {footer_bytes}")
+        self.dtype = _numeric(dtype if dtype is not None else np.uint8, "records")
         if shape is not None:
             self.shape = tuple(shape)
         elif dtype is not None and self.record_bytes == self.dtype.itemsize:
             self.shape = ()  # one value per record
         else:
             self.shape = (self.record_bytes // self.dtype.itemsize,)
-        if self.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64)) != self.record_bytes:
+        if any(int(d) <= 0 for d in self.shape) or \
+                self.dtype.itemsize * int(np.prod(self.shape, dtype=np.int64)) != self.record_bytes:
             raise ValueError(f"records of {self.record_bytes} bytes cannot hold {self.dtype} "
                              f"values of shape {self.shape}")
         self._set_rows([self._count(f, footer_bytes) for f in self.files])
@@ -78,11 +95,21 @@ class RecordFiles(Dataset):
         count = max(stop - first, 0)
         buffer = np.empty(count * self.record_bytes, dtype=np.uint8)
         if count:
-            handle = MPI.File.Open(MPI.COMM_SELF, self.files[file_index], MPI.MODE_RDONLY)
+            offset = self.header_bytes + first * self.record_bytes
             try:
-                handle.Read_at(self.header_bytes + first * self.record_bytes, buffer)
+                handle = MPI.File.Open(MPI.COMM_SELF, self.files[file_index], MPI.MODE_RDONLY)
+            except MPI.Exception as err:
+                raise NotFoundError(f"record file {self.files[file_index]} cannot be opened: "
+                                    f"{err.Get_error_string()}") from None
+            try:
+                status = MPI.Status()
+                handle.Read_at(offset, buffer, status)
+                got = status.Get_count(MPI.BYTE)
             finally:
                 handle.Close()
+            if got != buffer.nbytes:  # the file shrank after the dataset was built
+                raise DataLossError(f"{self.files[file_index]}: short read at offset {offset}: "
+                                    f"{got} of {buffer.nbytes} bytes (the file was truncated?)")
             self.bytes_read += buffer.nbytes
         return buffer.view(self.dtype).reshape((count,) + self.shape)
 
@@ -146,6 +173,20 @@ def FixedLengthRecordDataset(filenames, record_bytes: int, header_bytes: int = 0
     return RecordFiles(filenames, record_bytes, header_bytes, footer_bytes, dtype, shape)
 
 
+def _check_npy(path, shape, dtype, offset: int, size: int) -> None:
+    """A ``.npy`` header whose shape has rows, no zero or negative sizes, and fits the file."""
+    if dtype.hasobject:
+        raise ValueError(f"{path}: object arrays are not supported")
+    _numeric(dtype, path)
+    if not shape or any(int(d) < 0 for d in shape) or any(int(d) == 0 for d in shape[1:]):
+        raise ValueError(f"{path}: shape {shape} is not usable as rows (it needs a first "
+                         f"axis and positive sizes)")
+    body = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+    if offset + body != size:
+        raise ValueError(f"{path}: the header claims {shape} {dtype} ({body} bytes after "
+                         f"{offset} bytes of header), but the file holds {size} bytes")
+
+
 def NpyDataset(filenames) -> RecordFiles:
     """The rows (first axis) of ``.npy`` files of one dtype and row shape, read without loading."""
     if isinstance(filenames, (str, os.PathLike)):
@@ -158,7 +199,9 @@ def NpyDataset(filenames) -> RecordFiles:
                 read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
                                else np.lib.format.read_array_header_2_0)
                 shape, fortran, dtype = read_header(handle)
-                layouts.append((handle.tell(), shape, fortran, dtype))
+                offset = handle.tell()
+                _check_npy(path, shape, dtype, offset, os.path.getsize(path))
+                layouts.append((offset, shape, fortran, dtype))
         except FileNotFoundError:
             raise NotFoundError(f".npy file {path} does not exist") from None
         except ValueError as err:
@@ -190,7 +233,16 @@ class HDF5Rows(RecordFiles):
             with h5py.File(path, "r") as f:
                 if dataset not in f or not isinstance(f[dataset], h5py.Dataset):
                     raise NotFoundError(f"{path} has no dataset {dataset!r}")
-                layouts.append((f[dataset].shape, f[dataset].dtype))
+                dset = f[dataset]
+                _numeric(dset.dtype, f"{path}: dataset {dataset!r}")
+                dcpl = dset.id.get_create_plist()
+                if dcpl.get_external_count() or dset.is_virtual:
+                    raise ValueError(f"{path}: dataset {dataset!r} maps other files (external "
+                                     f"or virtual storage); pass those files themselves")
+                if not dset.shape or any(int(d) == 0 for d in dset.shape[1:]):
+                    raise ValueError(f"{path}: dataset {dataset!r} of shape {dset.shape} "
+                                     f"has no rows of positive size")
+                layouts.append((dset.shape, dset.dtype))
         if len({(shape[1:], dtype) for shape, dtype in layouts}) != 1:
             raise ValueError(f"HDF5Dataset needs one dtype and row shape in every file, got "
                              f"{[(p, l[0], str(l[1])) for p, l in zip(self.files, layouts)]}")
@@ -203,8 +255,12 @@ class HDF5Rows(RecordFiles):
         import h5py
         if stop <= first:
             return np.empty((0,) + self.shape, dtype=self.dtype)
-        with h5py.File(self.files[file_index], "r") as f:
-            rows = f[self.name][first:stop]
+        try:
+            with h5py.File(self.files[file_index], "r") as f:
+                rows = f[self.name][first:stop]
+        except (OSError, KeyError) as err:
+            raise DataLossError(f"{self.files[file_index]}: rows {first}:{stop} of dataset "
+                                f"{self.name!r} could not be read ({err})") from None
         self.bytes_read += rows.nbytes
         return rows
 

@@ -70,7 +70,7 @@ say("leftovers", leftovers)
 
 @pytest.mark.parametrize("mode", ["parallel", "parts"])
 def test_rank_killed_mid_save_leaves_previous_checkpoint_intact(launch, tmp_path, mode):
-    env = {"MPISTRAT_CHECKPOINT_MODE": mode, "MPISTRAT_FAULT": "checkpoint-partition-written:1:2"}
+    env = {"MPISTRAT_CHECKPOINT_MODE": mode, "MPISTRAT_TEST_FAULT": "checkpoint-partition-written:1:2"}
     killed = launch(2, KILLED, str(tmp_path), env=env, limit=60)
     assert killed.returncode not in (0, 124), killed
     assert "first" in killed.output and "unreachable" not in killed.output, killed

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import mpistrat as ms
-from mpistrat.checkpoint.files import data_file, remove_leftovers, resolve
+from mpistrat.checkpoint.files import MARKER, data_file, missing_hint, remove_leftovers, state_name
 from mpistrat.checkpoint.graph import check_path, collect_slots
 from mpistrat.checkpoint.layout import partition_owner, read_runs, rows_of, write_partitions
 from mpistrat.checkpoint.state_file import CheckpointState, format_state, parse_state
@@ -64,15 +64,33 @@ def test_graph_walks_objects_containers_and_shares_once():
     assert slots["model/layers/0/kernel"].kind == "variable" and slots["lr"].kind == "float"
 
 
-def test_file_names_hints_and_leftover_cleanup(tmp_path):
+def test_file_names_and_hints(tmp_path):
     assert data_file(str(tmp_path / "ckpt-3")) == str(tmp_path / "ckpt-3.h5")
     (tmp_path / "ckpt-3.h5").write_bytes(b"x")
-    assert resolve(str(tmp_path / "ckpt-3")).endswith("ckpt-3.h5")
-    with pytest.raises(ms.errors.NotFoundError, match="e.g. .*ckpt-3"):
-        resolve(str(tmp_path / "ckpt"))
-    for name in [".ckpt-4.h5.tmp-abc", "ckpt-4.part-0-of-2.h5", "ckpt-3.part-1-of-2.h5",
-                 "ckpt-3.part-0-of-2.h5.tmp"]:
-        (tmp_path / name).write_bytes(b"x")
-    removed = sorted(remove_leftovers(str(tmp_path)))
-    assert removed == [".ckpt-4.h5.tmp-abc", "ckpt-3.part-0-of-2.h5.tmp", "ckpt-4.part-0-of-2.h5"]
-    assert (tmp_path / "ckpt-3.part-1-of-2.h5").exists()  # its master exists: kept
+    assert "e.g. " + str(tmp_path / "ckpt-3") in missing_hint(str(tmp_path / "ckpt"))
+    assert missing_hint(str(tmp_path / "ckpt-4")) == ""
+
+
+def test_cleanup_removes_only_our_marked_files(tmp_path):
+    token, other = "a" * 32, "b" * 32
+    ours = [f".ckpt-4.h5.tmp-{token}", f"ckpt-4.part-0-of-2-{token}.h5"]   # torn save, no master
+    foreign = [".bashrc.tmp-1", ".other_job_ckpt-9.h5.tmp-deadbeef", "results.part-0-of-4.h5",
+               f".notes.txt.tmp-{other}",                                   # our pattern, no marker
+               f"ckpt-5.part-0-of-2-{other}.h5"]                            # no marker
+    for name in ours:
+        (tmp_path / name).write_bytes(MARKER + b"\0" * 100)
+    for name in foreign:
+        (tmp_path / name).write_bytes(b"someone else's data")
+    assert sorted(remove_leftovers(str(tmp_path))) == sorted(ours)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(foreign)
+    for name in foreign:
+        assert (tmp_path / name).read_bytes() == b"someone else's data"
+
+
+def test_state_names_stay_inside_the_directory(tmp_path):
+    d = str(tmp_path)
+    assert state_name(d, "ckpt-3") == "ckpt-3"
+    assert state_name(d, str(tmp_path / "ckpt-3")) == "ckpt-3"        # absolute, but inside
+    for bad in ["../outside/x", "/etc/passwd", "../victim/data.h5", "sub/ckpt-1", "..", ".",
+                "", "a\x00b", str(tmp_path.parent / "x")]:
+        assert state_name(d, bad) is None, bad

@@ -1,0 +1,111 @@
+"""Agreement among ranks before each step of a save or a restore.
+
+Every decision about files (does it exist, what does the state file say, did
+the write succeed) is taken by each rank and then agreed with one small
+all-gather, so ranks with different views of the file system, or a rank whose
+write failed, make every rank raise the same error together instead of
+leaving some waiting in the next collective.
+
+    >>> from mpistrat.checkpoint.agree import describe_views
+    >>> describe_views(["file", "file", "missing"])
+    'ranks 0-1: file; rank 2: missing'
+"""
+
+import errno as errno_codes
+import hashlib
+from typing import Any, List, Optional, Sequence, Type
+
+import numpy as np
+
+from mpistrat.collectives import CollectiveEngine
+from mpistrat.errors import DataLossError, NotFoundError
+
+__all__ = ["Failure", "agree_errors", "agree_view", "describe_views", "rank_list"]
+
+
+class Failure:
+    """One rank's failure, sent to the others: the error class, errno and text."""
+
+    __slots__ = ("kind", "errno", "text")
+
+    def __init__(self, err: BaseException, rank: int, what: str = ""):
+        self.kind = type(err).__name__
+        self.errno = getattr(err, "errno", None)
+        self.text = f"rank {rank}: {what}{': ' if what else ''}{type(err).__name__}: {err}"
+
+    def __getstate__(self):
+        return (self.kind, self.errno, self.text)
+
+    def __setstate__(self, state):
+        self.kind, self.errno, self.text = state
+
+
+def rank_list(ranks: Sequence[int]) -> str:
+    """``rank 3``, ``ranks 0-2`` or ``ranks 0, 2``."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
+def describe_views(views: Sequence[Any]) -> str:
+    """Group ranks by what they saw: ``ranks 0-1: file; rank 2: missing``."""
+    groups: dict = {}
+    for rank, view in enumerate(views):
+        groups.setdefault(repr(view) if not isinstance(view, str) else view, []).append(rank)
+    return "; ".join(f"{rank_list(r)}: {v}" for v, r in groups.items())
+
+
+_CLASSES = {"DataLossError": DataLossError, "NotFoundError": NotFoundError,
+            "ValueError": ValueError}
+
+
+def agree_errors(engine: CollectiveEngine, failure: Optional[Failure], what: str,
+                 hint: str = "") -> None:
+    """Raise the same error on every rank if any rank failed (collective).
+
+    The class follows the first failure (``DataLossError``, ``NotFoundError``,
+    ``ValueError``; any other becomes an ``OSError`` keeping its errno, so
+    ``err.errno == errno.ENOSPC`` works for a full disk).
+    """
+    if not _anyone(engine, failure is not None):
+        return
+    failures: List[Failure] = [f for f in engine.comm.allgather(failure) if f is not None]
+    first = failures[0]
+    text = f"{what} failed: " + "; ".join(f.text for f in failures) + (f"; {hint}" if hint else "")
+    cls: Type[BaseException] = _CLASSES.get(first.kind, OSError)
+    if cls is OSError and first.errno is not None:
+        raise OSError(first.errno, f"{text}{_errno_hint(first.errno)}")
+    raise cls(text)
+
+
+def _anyone(engine: CollectiveEngine, flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank (an all-reduce that honours the collective timeout,
+    so a rank that stopped answering ends in ``DeadlineExceededError`` instead of a hang)."""
+    return bool(engine.all_reduce(np.array([int(flag)], dtype=np.int64), "MAX")[0])
+
+
+def _errno_hint(code: int) -> str:
+    if code in (errno_codes.ENOSPC, errno_codes.EDQUOT):
+        return " (the file system is full or over quota: free space or choose another directory)"
+    if code == errno_codes.EFBIG:
+        return " (a file size limit, ulimit -f, is below the checkpoint's size)"
+    if code in (errno_codes.EROFS, errno_codes.EACCES, errno_codes.EPERM):
+        return " (the directory is not writable)"
+    return ""
+
+
+def agree_view(engine: CollectiveEngine, view: Any, what: str, error=NotFoundError,
+               hint: str = "put checkpoints on a file system that every rank shares") -> Any:
+    """The view every rank has of something (collective); ranks that differ raise together."""
+    digest = int.from_bytes(hashlib.blake2b(repr(view).encode(), digest_size=8).digest(),
+                            "little") >> 2
+    low_high = engine.all_reduce(np.array([digest, -digest], dtype=np.int64), "MAX")
+    if low_high[0] == -low_high[1]:  # max == min: every rank saw the same
+        return view
+    views = engine.comm.allgather(view)
+    if any(v != views[0] for v in views[1:]):
+        raise error(f"ranks see different things at {what}: {describe_views(views)}; {hint}")
+    return views[0]

@@ -1,0 +1,289 @@
+"""Reading a checkpoint file: validate it against itself, then read into place.
+
+``read_catalog`` opens the file (every rank), checks every dataset before a
+byte of data is allocated (``validate.py``: dtype, kind, partitions that tile
+the rows, one checksum per partition, contiguous storage or our own
+part-file mapping, bytes that lie inside the file) and agrees on the result:
+a file that differs between ranks, or that fails on one, raises on all.
+``read_values`` then reads each value straight into one buffer of its final
+shape: small values whole on every rank; large ones as contiguous runs of
+partitions, one run per rank, checksummed in worker threads while the next
+run is read, then completed with an in-place ``Allgatherv`` (no second copy).
+Nothing is ever unpickled, and HDF5 external storage or foreign virtual
+datasets are refused, so a crafted file cannot make us read other files.
+"""
+
+import hashlib
+import os
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import h5py
+import numpy as np
+from mpi4py import MPI
+
+from mpistrat.checkpoint.agree import Failure, agree_errors, agree_view
+from mpistrat.checkpoint.files import part_match
+from mpistrat.checkpoint.graph import check_path
+from mpistrat.checkpoint.h5write import checksum
+from mpistrat.checkpoint.layout import read_runs, rows_of
+from mpistrat.checkpoint.validate import (MAX_PARTITIONS, check_checksums, check_dtype,
+                                          check_extent, check_kind, check_partitions)
+from mpistrat.collectives import CollectiveEngine
+from mpistrat.errors import DataLossError, NotFoundError
+
+__all__ = ["Entry", "read_catalog", "read_values", "SMALL_BYTES"]
+
+SMALL_BYTES = 1 << 20  # values below this are read whole by every rank
+_VERSIONS = (1, 2)
+_COMPACT_MAX = 64 << 10
+
+
+@dataclass
+class Entry:
+    """One validated value of a checkpoint file and where its partitions' bytes lie."""
+
+    path: str
+    shape: Tuple[int, ...]
+    dtype: np.dtype
+    kind: str
+    partitions: List[Tuple[int, int]]
+    checksums: List[int]
+    pieces: List[Tuple[str, Optional[int]]]  # per partition: (file, byte offset); None: via h5py
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+
+
+def read_catalog(final: str, engine: CollectiveEngine) -> Dict[str, Entry]:
+    """The validated contents of ``final``, the same on every rank (collective)."""
+    failure, catalog = None, None
+    try:
+        catalog = _catalog(final)
+    except (DataLossError, NotFoundError) as err:
+        failure = Failure(err, engine.rank)
+    except Exception as err:  # noqa: BLE001 - h5py raises OSError/KeyError on damaged files
+        failure = Failure(DataLossError(f"{final} could not be read as an mpistrat checkpoint "
+                                        f"({type(err).__name__}: {err})"), engine.rank)
+    agree_errors(engine, failure, f"restoring {final}")
+    digest = hashlib.sha1(repr(sorted((p, e.shape, e.dtype.str, e.kind, e.partitions,
+                                       e.checksums) for p, e in catalog.items())).encode())
+    agree_view(engine, digest.hexdigest()[:16], f"{final} (its contents)", error=DataLossError)
+    return catalog
+
+
+def _catalog(final: str) -> Dict[str, Entry]:
+    size = os.path.getsize(final)
+    parts: Dict[str, h5py.File] = {}
+    try:
+        with h5py.File(final, "r") as f:
+            version = _scalar_attr(f, "mpistrat_format_version", final)
+            if version not in _VERSIONS:
+                raise DataLossError(f"{final} is not an mpistrat checkpoint (format version "
+                                    f"{version!r}; this version reads {_VERSIONS})")
+            return {name: _entry(final, size, f[name], name, parts) for name in _dataset_paths(f)}
+    finally:
+        for handle in parts.values():
+            handle.close()
+
+
+def _scalar_attr(obj, name: str, where: str):
+    if name not in obj.attrs:
+        raise DataLossError(f"{where}: attribute {name} is missing: not an mpistrat checkpoint")
+    value = obj.attrs[name]
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _array_attr(obj, name: str, where: str, ndim: int) -> np.ndarray:
+    if name not in obj.attrs:
+        raise DataLossError(f"{where}: attribute {name} is missing")
+    attr = h5py.h5a.open(obj.id, name.encode())
+    if attr.get_space().get_simple_extent_npoints() > 2 * MAX_PARTITIONS or \
+            attr.dtype.kind not in "iu":
+        raise DataLossError(f"{where}: attribute {name} is not an integer array of sane size")
+    value = np.asarray(obj.attrs[name], dtype=np.int64)
+    if value.ndim != ndim and value.size:
+        raise DataLossError(f"{where}: attribute {name} has {value.ndim} dimensions, "
+                            f"expected {ndim}")
+    return value.reshape((-1, 2) if ndim == 2 else (-1,))
+
+
+def _dataset_paths(f: h5py.File) -> List[str]:
+    names: List[str] = []
+    f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+    for name in names:
+        try:
+            check_path(name)
+        except ValueError as err:
+            raise DataLossError(f"{f.filename}: dataset {name!r}: {err}") from None
+    return sorted(names)
+
+
+def _entry(final: str, size: int, dset: h5py.Dataset, name: str, parts) -> Entry:
+    where = f"{final}, object {name!r}"
+    if dset.shape is None:
+        raise DataLossError(f"{where}: a dataset without a shape")
+    dtype = check_dtype(dset.dtype, where)
+    shape = tuple(int(d) for d in dset.shape)
+    kind_attr = _scalar_attr(dset, "mpistrat_kind", where)
+    kind = check_kind(kind_attr.decode() if isinstance(kind_attr, bytes) else kind_attr,
+                      len(shape), where)
+    partitions = check_partitions(_array_attr(dset, "mpistrat_partitions", where, 2).tolist(),
+                                  rows_of(shape), where)
+    sums = check_checksums(_array_attr(dset, "mpistrat_checksums", where, 1).tolist(),
+                           len(partitions), where)
+    entry = Entry(name, shape, dtype, kind, partitions, sums, [])
+    dcpl = dset.id.get_create_plist()
+    layout = dcpl.get_layout()
+    if layout == h5py.h5d.VIRTUAL:
+        entry.pieces = _virtual_pieces(final, dset, entry, parts)
+        return entry
+    _check_plain_storage(dcpl, where)
+    if layout == h5py.h5d.COMPACT and entry.nbytes <= _COMPACT_MAX:
+        entry.pieces = [(final, None)] * len(partitions)
+    elif layout == h5py.h5d.CONTIGUOUS:
+        offset = dset.id.get_offset() if entry.nbytes else 0
+        check_extent(offset, entry.nbytes, size, where)
+        entry.pieces = [(final, offset + a * entry.row_bytes) for a, _ in partitions]
+    else:
+        raise DataLossError(f"{where}: chunked or compressed storage is not allowed in a "
+                            f"checkpoint (contiguous datasets only)")
+    return entry
+
+
+def _check_plain_storage(dcpl, where: str) -> None:
+    if dcpl.get_external_count():
+        raise DataLossError(f"{where}: HDF5 external storage is not allowed in a checkpoint "
+                            f"(it would read other files)")
+    if dcpl.get_nfilters():
+        raise DataLossError(f"{where}: filtered (compressed) storage is not allowed")
+
+
+def _virtual_pieces(final: str, dset, entry: Entry, parts) -> List[Tuple[str, int]]:
+    """Our part-file mapping: partition k is dataset ``PATH/part-k`` of a part file beside."""
+    where = f"{final}, object {entry.path!r}"
+    directory, stem = os.path.dirname(final), os.path.basename(final)[:-3]
+    sources: Dict[int, str] = {}
+    pattern = re.compile(re.escape(entry.path) + r"/part-(\d+)")
+    for source in dset.virtual_sources():
+        match = pattern.fullmatch(source.dset_name)
+        if os.path.basename(source.file_name) != source.file_name or not match \
+                or not part_match(source.file_name, stem):
+            raise DataLossError(f"{where}: virtual source {source.file_name}:{source.dset_name} "
+                                f"is not one of this checkpoint's part files")
+        sources[int(match.group(1))] = source.file_name
+    if sorted(sources) != list(range(len(entry.partitions))):
+        raise DataLossError(f"{where}: the part files map partitions {sorted(sources)}, "
+                            f"expected 0..{len(entry.partitions) - 1}")
+    pieces = []
+    for k, (a, b) in enumerate(entry.partitions):
+        path = os.path.join(directory, sources[k])
+        handle = parts.get(path)
+        if handle is None:
+            if not os.path.isfile(path):
+                raise NotFoundError(f"part file {path} of checkpoint {final} is missing")
+            handle = parts[path] = h5py.File(path, "r")
+        name = f"{entry.path}/part-{k}"
+        part_where = f"{path}, object {name!r}"
+        if name not in handle or not isinstance(handle[name], h5py.Dataset):
+            raise DataLossError(f"{part_where}: missing from the part file")
+        part = handle[name]
+        want = (b - a,) + entry.shape[1:]
+        if part.dtype != entry.dtype or tuple(part.shape or ()) != want:
+            raise DataLossError(f"{part_where}: holds {part.dtype}{list(part.shape or ())}, "
+                                f"the master maps {entry.dtype}{list(want)}")
+        dcpl = part.id.get_create_plist()
+        _check_plain_storage(dcpl, part_where)
+        if dcpl.get_layout() != h5py.h5d.CONTIGUOUS:
+            raise DataLossError(f"{part_where}: contiguous storage expected")
+        nbytes = (b - a) * entry.row_bytes
+        offset = part.id.get_offset() if nbytes else 0
+        check_extent(offset, nbytes, os.path.getsize(path), part_where)
+        pieces.append((path, offset))
+    return pieces
+
+
+# -- data ---------------------------------------------------------------------------------
+def _read_into(path: str, offset: Optional[int], dest: np.ndarray, entry: Entry, k: int) -> None:
+    """Fill ``dest`` (partition ``k``'s rows) from its file; a short read is data loss."""
+    if offset is None:  # compact storage: tiny, through h5py
+        with h5py.File(path, "r") as f:
+            a, b = entry.partitions[k]
+            data = f[entry.path][()]
+            dest[...] = data.reshape(1)[a:b] if data.ndim == 0 else data[a:b]
+        return
+    view = memoryview(dest.reshape(-1).view(np.uint8))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        position = offset
+        while len(view):
+            got = os.preadv(fd, [view], position)
+            if got <= 0:
+                raise DataLossError(f"{path}: short read at offset {position} for object "
+                                    f"{entry.path!r}: the file is truncated")
+            view, position = view[got:], position + got
+    finally:
+        os.close(fd)
+
+
+def _verify(block: np.ndarray, entry: Entry, k: int, source: str) -> None:
+    if checksum(block) != entry.checksums[k]:
+        a, b = entry.partitions[k]
+        raise DataLossError(f"checksum mismatch in {source}, object {entry.path!r}, rows "
+                            f"{a}:{b}: the file is corrupt; restore an earlier checkpoint")
+
+
+def read_values(final: str, catalog: Dict[str, Entry], engine: CollectiveEngine,
+                paths) -> Dict[str, np.ndarray]:
+    """Read ``paths`` of ``catalog`` on every rank, checksums verified (collective)."""
+    rank, size = engine.rank, engine.size
+    values: Dict[str, np.ndarray] = {}
+    large: List[str] = []
+    failure = None
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            checks: List[Future] = []
+            for path in sorted(paths):
+                entry = catalog[path]
+                dest = np.empty(entry.shape, dtype=entry.dtype)
+                rows = dest.reshape((1,) + entry.shape) if not entry.shape else dest
+                whole = entry.nbytes < SMALL_BYTES or not entry.shape or size == 1
+                first, stop = (0, len(entry.partitions)) if whole else \
+                    read_runs(len(entry.partitions), size)[rank]
+                for k in range(first, stop):
+                    a, b = entry.partitions[k]
+                    _read_into(*entry.pieces[k], rows[a:b], entry, k)
+                    checks.append(pool.submit(_verify, rows[a:b], entry, k, entry.pieces[k][0]))
+                values[path] = dest
+                if not whole:
+                    large.append(path)
+            for check in checks:
+                check.result()
+    except (DataLossError, NotFoundError) as err:
+        failure = Failure(err, rank)
+    except OSError as err:
+        failure = Failure(DataLossError(f"reading {final}: {err}"), rank)
+    agree_errors(engine, failure, f"restoring {final}")
+    for path in large:  # every rank read one run of partitions; complete them in place
+        _all_gather_rows(values[path], catalog[path], engine)
+    return values
+
+
+def _all_gather_rows(dest: np.ndarray, entry: Entry, engine: CollectiveEngine) -> None:
+    runs = read_runs(len(entry.partitions), engine.size)
+    counts = [entry.partitions[b - 1][1] - entry.partitions[a][0] if b > a else 0
+              for a, b in runs]
+    displs = [entry.partitions[a][0] if b > a else 0 for a, b in runs]
+    rowtype = MPI.BYTE.Create_contiguous(entry.row_bytes).Commit()
+    try:
+        engine.comm.Allgatherv(MPI.IN_PLACE, [dest.reshape(-1).view(np.uint8), counts, displs,
+                                              rowtype])
+    finally:
+        rowtype.Free()

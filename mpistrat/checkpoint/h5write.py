@@ -1,0 +1,301 @@
+"""Writing a checkpoint file: HDF5 lays it out, every rank writes its partitions itself.
+
+Each step ends with the ranks agreeing on success (``agree.agree_errors``), so
+a full disk, a read-only directory or a file size limit on one rank ends in the
+same named error on every rank, and the previous checkpoint stays intact:
+
+1. Each rank computes the CRC-32 of the partitions it owns (no I/O yet); the
+   checksums are all-gathered. Rank 0 checks free space, every rank its file
+   size limit (``ulimit -f``): a checkpoint that cannot fit fails before a
+   byte is written.
+2. HDF5 writes only the layout: rank 0 alone (serial h5py, no MPI driver)
+   creates ``.NAME.tmp-TOKEN`` with every dataset contiguous and allocated,
+   all attributes final, and our marker in the user block. Since no HDF5
+   call is ever collective, a failing rank cannot leave the others inside
+   HDF5 (the hangs and crashes of parallel HDF5 on a full disk).
+3. Every rank writes its partitions at the offsets rank 0 broadcast, with
+   positional writes checked byte by byte, then ``fsync``.
+4. Rank 0 renames the file into place and syncs the directory.
+
+In ``parts`` mode (``MPISTRAT_CHECKPOINT_MODE=parts``, for file systems where
+several writers to one file are unsafe) each rank writes its own part file
+the same way and rank 0 writes a master mapping them with virtual datasets;
+part names carry the save's token, so replacing a prefix never touches the
+parts of the checkpoint being replaced until the new one is complete.
+"""
+
+import os
+import resource
+import uuid
+import zlib
+from typing import Dict, List, Optional, Tuple
+
+import h5py
+import numpy as np
+
+from mpistrat.checkpoint.agree import Failure, agree_errors, agree_view
+from mpistrat.checkpoint.files import (USERBLOCK, part_name, remove_checkpoint, temp_name,
+                                       write_marker)
+from mpistrat.checkpoint.layout import partition_owner, write_partitions
+from mpistrat.collectives import CollectiveEngine
+from mpistrat.runtime.faults import fault_point
+
+__all__ = ["FORMAT_VERSION", "write_file", "checkpoint_mode", "checksum", "fsync_dir"]
+
+FORMAT_VERSION = 2
+_META_BYTES = 1 << 20  # room kept for HDF5's own metadata when checking free space
+
+
+def checkpoint_mode() -> str:
+    """``parallel`` (one shared file, the default) or ``parts`` (``MPISTRAT_CHECKPOINT_MODE``)."""
+    mode = os.environ.get("MPISTRAT_CHECKPOINT_MODE", "parallel").lower() or "parallel"
+    if mode not in ("parallel", "parts"):
+        raise ValueError(f"MPISTRAT_CHECKPOINT_MODE={mode!r}: use 'parallel' or 'parts'")
+    return mode
+
+
+def checksum(block: np.ndarray) -> int:
+    """CRC-32 of a block's bytes in C order."""
+    return zlib.crc32(np.ascontiguousarray(block).view(np.uint8).reshape(-1)) & 0xFFFFFFFF
+
+
+def _rows(value: np.ndarray, a: int, b: int) -> np.ndarray:
+    return value.reshape(1) if value.ndim == 0 else value[a:b]
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a rename in ``directory`` durable."""
+    _fsync(directory or ".")
+
+
+def _dcpl():
+    """Contiguous, allocated at creation, never filled: raw data is ours to write."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    return dcpl
+
+
+class _Plan:
+    """Who writes what: partitions, owners and this rank's blocks."""
+
+    def __init__(self, values: Dict[str, np.ndarray], rank: int, size: int):
+        self.paths = sorted(values)
+        self.values = values
+        self.layouts = {p: write_partitions(values[p].shape, values[p].dtype.itemsize, size)
+                        for p in self.paths}
+        self.owned: List[Tuple[str, int]] = [
+            (p, k) for i, p in enumerate(self.paths) for k in range(len(self.layouts[p]))
+            if partition_owner(i, k, size) == rank]
+        self.nbytes = sum(v.nbytes for v in values.values())
+
+    def block(self, path: str, part: int) -> np.ndarray:
+        a, b = self.layouts[path][part]
+        return _rows(self.values[path], a, b)
+
+
+def write_file(final: str, values: Dict[str, np.ndarray], kinds: Dict[str, str],
+               engine: CollectiveEngine, mode: Optional[str] = None) -> None:
+    """Write ``values`` (the same on every rank) to ``final``, atomically. Collective."""
+    rank, size = engine.rank, engine.size
+    mode = mode or checkpoint_mode()
+    directory = os.path.dirname(final) or "."
+    token = engine.broadcast_object(uuid.uuid4().hex if rank == 0 else None)
+    plan = _Plan(values, rank, size)
+    mine = {(p, k): checksum(plan.block(p, k)) for p, k in plan.owned}
+    checksums: Dict[Tuple[str, int], int] = {}
+    for part in engine.comm.allgather(mine):  # small: one CRC per partition
+        checksums.update(part)
+    what = f"saving checkpoint {final}"
+    agree_errors(engine, _preflight(directory, plan, rank), what)
+    if mode == "parts":
+        _write_parts(final, plan, kinds, checksums, token, engine, what)
+    else:
+        _write_shared(final, plan, kinds, checksums, token, engine, what)
+
+
+def _preflight(directory: str, plan: _Plan, rank: int) -> Optional[Failure]:
+    """Free space (rank 0) and the file size limit (every rank), before any write.
+
+    HDF5 can crash when its own metadata writes fail, so what it writes must
+    fit: the file size limit (exact and local) is always checked, and so is
+    room for the layout; the free space for all the data is checked unless
+    ``MPISTRAT_CHECKPOINT_PREFLIGHT=0`` (for file systems whose free-space
+    figure is no guide, e.g. per-user quotas; a full disk then fails in our
+    own checked writes, with the same named error).
+    """
+    need = plan.nbytes + _META_BYTES
+    try:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY and limit < need:
+            raise OSError(27, f"the file size limit (ulimit -f) is {limit} bytes, the "
+                              f"checkpoint needs up to {need}")
+        if rank == 0:
+            if os.environ.get("MPISTRAT_CHECKPOINT_PREFLIGHT", "1") == "0":
+                need = _META_BYTES
+            stat = os.statvfs(directory)
+            free = stat.f_bavail * stat.f_frsize
+            if free < need:
+                raise OSError(28, f"{directory} has {free} bytes free, the checkpoint needs {need}")
+    except OSError as err:
+        return Failure(err, rank, "checking space")
+    return None
+
+
+def _create_layout(path: str, entries, root_attrs: Dict) -> Dict[str, int]:
+    """Create ``path`` with its datasets laid out; return each dataset's byte offset."""
+    offsets = {}
+    with h5py.File(path, "w", userblock_size=USERBLOCK) as f:
+        for key, value in root_attrs.items():
+            f.attrs[key] = value
+        for name, value, attrs in entries:
+            dset = f.create_dataset(name, shape=value.shape, dtype=value.dtype, dcpl=_dcpl())
+            for key, attr in attrs.items():
+                dset.attrs[key] = attr
+            if value.ndim == 0:
+                dset[()] = value  # HDF5 allocates scalars only when written: a few bytes
+            elif value.nbytes:
+                offsets[name] = int(dset.id.get_offset())
+    write_marker(path)
+    return offsets
+
+
+def _write_blocks(path: str, blocks) -> None:
+    """Positional writes of ``(offset, block)`` into an existing file, then ``fsync``."""
+    fd = os.open(path, os.O_WRONLY)  # never created here: the file is the one rank 0 laid out
+    try:
+        for offset, block in blocks:
+            view = memoryview(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
+            while len(view):
+                written = os.pwrite(fd, view, offset)
+                if written <= 0:
+                    raise OSError(28, f"short write at offset {offset}")
+                view, offset = view[written:], offset + written
+            fault_point("checkpoint-partition-written")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _attrs(plan: _Plan, kinds, checksums, path: str) -> Dict:
+    parts = plan.layouts[path]
+    return {"mpistrat_kind": kinds[path],
+            "mpistrat_partitions": np.array(parts, dtype=np.int64),
+            "mpistrat_checksums": np.array([checksums[(path, k)] for k in range(len(parts))],
+                                           dtype=np.uint32)}
+
+
+def _root_attrs(size: int, token: str) -> Dict:
+    return {"mpistrat_format_version": FORMAT_VERSION, "mpistrat_world_size": size,
+            "mpistrat_token": token}
+
+
+def _attempt(rank: int, what: str, step) -> Tuple[Optional[Failure], object]:
+    try:
+        return None, step()
+    except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
+        return Failure(err, rank, what), None
+
+
+def _discard(*paths: str) -> None:
+    for path in paths:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+def _write_shared(final, plan, kinds, checksums, token, engine, what) -> None:
+    rank, size = engine.rank, engine.size
+    tmp = temp_name(final, token)
+    try:
+        failure, offsets = (None, None)
+        if rank == 0:
+            entries = [(p, plan.values[p], _attrs(plan, kinds, checksums, p)) for p in plan.paths]
+            failure, offsets = _attempt(rank, f"laying out {tmp}", lambda: _create_layout(
+                tmp, entries, _root_attrs(size, token)))
+        agree_errors(engine, failure, what)
+        offsets = engine.broadcast_object(offsets)
+        agree_view(engine, "file" if os.path.isfile(tmp) else "nothing", f"{tmp} (written by rank 0)")
+        blocks = [(offsets[p] + plan.layouts[p][k][0] * _row_bytes(plan.values[p]), plan.block(p, k))
+                  for p, k in plan.owned if p in offsets]
+        failure, _ = _attempt(rank, f"writing {tmp}", lambda: _write_blocks(tmp, blocks))
+        agree_errors(engine, failure, what)
+        failure = None
+        if rank == 0:
+            failure, _ = _attempt(rank, f"committing {final}", lambda: _commit(tmp, final))
+        agree_errors(engine, failure, what)
+    except BaseException:
+        if rank == 0:
+            _discard(tmp)
+        raise
+
+
+def _row_bytes(value: np.ndarray) -> int:
+    return value.dtype.itemsize * int(np.prod(value.shape[1:], dtype=np.int64))
+
+
+def _commit(tmp: str, final: str) -> None:
+    fault_point("checkpoint-before-commit")
+    _fsync(tmp)
+    os.replace(tmp, final)
+    fsync_dir(os.path.dirname(final))
+
+
+def _write_parts(final, plan, kinds, checksums, token, engine, what) -> None:
+    rank, size = engine.rank, engine.size
+    parts = [part_name(final, r, size, token) for r in range(size)]
+    mine, tmp = parts[rank], temp_name(parts[rank], token)
+    master_tmp = temp_name(final, token)
+
+    def write_part():
+        entries = [(f"{p}/part-{k}", plan.block(p, k), {}) for p, k in plan.owned]
+        offsets = _create_layout(tmp, entries, _root_attrs(size, token))
+        _write_blocks(tmp, [(offsets[name], block) for name, block, _ in entries
+                            if name in offsets])
+        _commit(tmp, mine)
+
+    try:
+        failure, _ = _attempt(rank, f"writing {tmp}", write_part)
+        agree_errors(engine, failure, what)
+        failure = None
+        if rank == 0:
+            failure, _ = _attempt(rank, f"writing the master {master_tmp}", lambda: (
+                _write_master(master_tmp, plan, kinds, checksums, parts, token, size),
+                _commit(master_tmp, final)))
+        agree_errors(engine, failure, what)
+    except BaseException:
+        _discard(tmp, mine, *([master_tmp] if rank == 0 else []))
+        raise
+    if rank == 0:  # the parts of the checkpoint this one replaced (same prefix, older token)
+        remove_checkpoint(final, keep_token=token)
+
+
+def _write_master(tmp, plan, kinds, checksums, parts, token, size) -> None:
+    names = [os.path.basename(p) for p in parts]
+    with h5py.File(tmp, "w", userblock_size=USERBLOCK) as f:
+        for key, value in _root_attrs(size, token).items():
+            f.attrs[key] = value
+        for index, p in enumerate(plan.paths):
+            value = plan.values[p]
+            if value.ndim == 0:  # a scalar: stored in the master itself
+                dset = f.create_dataset(p, data=value)
+            else:
+                layout = h5py.VirtualLayout(shape=value.shape, dtype=value.dtype)
+                for part, (a, b) in enumerate(plan.layouts[p]):
+                    owner = partition_owner(index, part, size)
+                    layout[a:b] = h5py.VirtualSource(names[owner], f"{p}/part-{part}",
+                                                     shape=(b - a,) + value.shape[1:])
+                dset = f.create_virtual_dataset(p, layout)
+            for key, attr in _attrs(plan, kinds, checksums, p).items():
+                dset.attrs[key] = attr
+    write_marker(tmp)

@@ -1,0 +1,37 @@
+"""Fault injection for tests: kill this rank at a named point, never by accident.
+
+Only when the environment held ``MPISTRAT_TEST_FAULT=POINT:RANK:N`` at import
+does ``fault_point(POINT)`` do anything: the N-th time rank RANK of the world
+passes POINT, it kills itself with SIGKILL (a real crash, for tests of torn
+saves). Otherwise ``fault_point`` is a function that returns at once.
+
+    >>> from mpistrat.runtime.faults import fault_point
+    >>> fault_point("checkpoint-partition-written")   # no fault armed: nothing happens
+"""
+
+import os
+import signal
+
+__all__ = ["fault_point"]
+
+_SPEC = os.environ.get("MPISTRAT_TEST_FAULT", "")
+_HITS: dict = {}
+
+
+def _armed(name: str) -> None:
+    point, rank, count = _SPEC.rsplit(":", 2)
+    if name != point:
+        return
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_rank() != int(rank):
+        return
+    _HITS[name] = _HITS.get(name, 0) + 1
+    if _HITS[name] == int(count):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _disarmed(name: str) -> None:
+    return None
+
+
+fault_point = _armed if _SPEC.count(":") >= 2 else _disarmed

@@ -17,7 +17,7 @@ summary() {  # the counts in pytest's closing line of log $1
 }
 
 # The main job and preemption tests launch whole training jobs: a stage of their own.
-JOB_TESTS="tests/launcher/test_train_job.py tests/launcher/test_preemption.py"
+JOB_TESTS="tests/launcher/test_train_job.py tests/launcher/test_preemption.py tests/launcher/test_slurm_templates.py"
 
 echo "=== single-process tests (unit, launcher)"
 timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=300 --timeout-method=thread \

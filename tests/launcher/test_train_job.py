@@ -26,7 +26,7 @@ def _env():
     return env
 
 
-def _command(ranks, data, ckpt, *extra, limit=150):
+def _command(ranks, data, ckpt, *extra, limit=240):
     return [str(MPIRUN), "--limit", str(limit), "-n", str(ranks), sys.executable, JOB,
             "--data", str(data), "--checkpoint-dir", str(ckpt), *FLAGS, *extra]
 
@@ -144,7 +144,7 @@ def test_sigkill_mid_epoch_then_restart_ends_with_the_same_model(data, reference
 
 
 def test_make_run_defaults_reach_095_and_a_second_run_has_nothing_to_do(data, tmp_path):
-    command = [str(MPIRUN), "--limit", "150", "-n", "2", sys.executable, JOB, "--data",
+    command = [str(MPIRUN), "--limit", "240", "-n", "2", sys.executable, JOB, "--data",
                str(data), "--checkpoint-dir", str(tmp_path)]     # make run's flags: defaults
     first = subprocess.run(command, env=_env(), cwd=ROOT, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)

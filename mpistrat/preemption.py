@@ -146,7 +146,10 @@ class PreemptionCheckpointHandler:
     def run(self, distributed_train_function: Callable, *args, **kwargs):
         """Save and exit first if a preemption was agreed; else call the function and count it.
 
-        Every rank must call ``run`` once per step (it is a step boundary).
+        Every rank must call ``run`` once per step (it is a step boundary). When a dataset
+        iterator is in the checkpoint, take the batch *inside* the function
+        (``handler.run(lambda: strategy.run(step, args=(next(it),)))``): a batch taken before
+        ``run`` would be counted in the saved position without having been trained on.
         """
         self._boundary()
         result = distributed_train_function(*args, **kwargs)
@@ -226,8 +229,10 @@ class PreemptionCheckpointHandler:
                 time.monotonic() - self._signal_time > grace:
             late = f" (after the grace period of {grace} s: the save may have been cut short)"
         if self._rank == 0:
-            name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ \
-                else str(signum)
+            try:
+                name = signal.Signals(signum).name
+            except ValueError:
+                name = f"signal {signum}"
             sys.stdout.write(f"[mpistrat] {name} on rank {first_rank}: every rank saved at step "
                              f"{step}: {where}{late}; exiting with {PREEMPTED_EXIT_CODE} so the "
                              f"job can be requeued\n")

@@ -24,10 +24,17 @@ TRAIN, TEST = "train.npy", "test.npy"
 def prepare(directory: str, seed: int = 0) -> bool:
     """Write ``train.npy``/``test.npy`` under ``directory`` unless both exist; True if written.
 
+    A directory holding only one of the two is an error (nothing is overwritten).
+
     Files are written under temporary names and renamed, so a reader never sees half a file.
     """
-    if all(os.path.exists(os.path.join(directory, name)) for name in (TRAIN, TEST)):
+    present = [os.path.exists(os.path.join(directory, name)) for name in (TRAIN, TEST)]
+    if all(present):
         return False
+    if any(present):  # never overwrite half of someone's data
+        have, missing = (TRAIN, TEST) if present[0] else (TEST, TRAIN)
+        raise FileNotFoundError(f"{directory} has {have} but no {missing}: give both, or a "
+                                f"directory with neither to get scikit-learn's digits")
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 

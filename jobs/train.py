@@ -174,8 +174,8 @@ def prepare_once(data_dir: str) -> None:
         except Exception as err:  # shared with every rank below
             error = f"rank 0: preparing the data in {data_dir}: {err!r}"
     error = comm.bcast(error, root=0)
-    if error:
-        raise RuntimeError(error)
+    if error:                    # every rank stops with the same message, no abort needed
+        raise SystemExit(f"jobs/train.py: {error}")
 
 
 def main(argv=None) -> int:
@@ -185,7 +185,14 @@ def main(argv=None) -> int:
     static = strategy.extended.experimental_require_static_shapes   # TPUStrategy
     prepare_once(args.data)
     train_file, test_file = (os.path.join(args.data, n) for n in (digits.TRAIN, digits.TEST))
-    rows, features, classes = digits.describe(train_file)
+    try:                         # the same files on every rank: every rank stops alike
+        rows, features, classes = digits.describe(train_file)
+        test_features = digits.describe(test_file)[1]
+        if test_features != features:
+            raise ValueError(f"{train_file} has {features} feature columns but {test_file} "
+                             f"has {test_features}")
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"jobs/train.py: {err}") from None
 
     import jax
     from tqdm import tqdm

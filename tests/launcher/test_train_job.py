@@ -156,3 +156,19 @@ def test_make_run_defaults_reach_095_and_a_second_run_has_nothing_to_do(data, tm
     assert second.returncode == 0, second.stdout[-3000:]
     assert "has finished 15 epochs already: nothing to train" in second.stdout
     assert f"test accuracy: {accuracy:.3f}" in second.stdout
+
+
+def test_bad_data_stops_every_rank_with_one_named_cause(data, reference, tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.npy").write_bytes((data / "train.npy").read_bytes())
+    done = subprocess.run(_command(2, tmp_path / "data", tmp_path / "ckpt"), env=_env(), cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert done.returncode not in (0, 124), done.stdout[-3000:]
+    assert done.stdout.count("has train.npy but no test.npy") == 2, done.stdout[-3000:]
+    assert "Traceback" not in done.stdout
+    assert not (tmp_path / "data" / "test.npy").exists()   # nothing written over the user's data
+    np.save(tmp_path / "data" / "test.npy", np.zeros((4, 9), np.float32))
+    done = subprocess.run(_command(2, tmp_path / "data", tmp_path / "ckpt"), env=_env(), cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert done.returncode not in (0, 124)
+    assert done.stdout.count("has 64 feature columns but") == 2, done.stdout[-3000:]

@@ -70,6 +70,7 @@ def reference(data, tmp_path_factory):
 def test_job_trains_prints_and_plots(reference):
     output, ckpt = reference
     assert "2 replicas (MultiWorkerMirroredStrategy, numpy), 1437 training rows" in output
+    assert "[rank" not in output                # other ranks are quiet unless asked
     assert len(re.findall(r"^epoch +\d+/2 +loss [0-9.]+ +accuracy [0-9.]+", output, re.M)) == 2
     accuracy = float(re.search(r"^test accuracy: (0\.\d{3})$", output, re.M).group(1))
     assert accuracy >= 0.85, output            # two epochs only; make run's 15 reach 0.97
@@ -86,8 +87,15 @@ def test_job_trains_prints_and_plots(reference):
 @pytest.mark.parametrize("ranks", [1, 3, 4])
 def test_same_global_batch_gives_the_same_model_at_any_rank_count(data, reference, ranks,
                                                                   tmp_path):
-    _run(ranks, data, tmp_path)
+    output = _run(ranks, data, tmp_path, "--all-ranks")
     expected, got = _model(reference[1]), _model(tmp_path)
+    # each rank read only its own rows of every batch (MPI-IO, DATA sharding): together, the
+    # training file's rows exactly once per epoch
+    read = {}
+    for rank, count in re.findall(r"^\[rank (\d+)\] read ([\d,]+) bytes", output, re.M):
+        read[rank] = max(read.get(rank, 0), int(count.replace(",", "")))
+    assert len(read) == ranks and sum(read.values()) == 2 * 1437 * 65 * 4, read
+    assert max(read.values()) <= 2 * 1437 * 65 * 4 / ranks + 2 * 23 * 65 * 4, read
     for name in expected:
         np.testing.assert_allclose(got[name], expected[name], rtol=2e-4, atol=2e-5,
                                    err_msg=f"{name} at {ranks} ranks vs 2 ranks")
@@ -172,3 +180,17 @@ def test_bad_data_stops_every_rank_with_one_named_cause(data, reference, tmp_pat
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert done.returncode not in (0, 124)
     assert done.stdout.count("has 64 feature columns but") == 2, done.stdout[-3000:]
+
+
+def test_deterministic_flag_is_passed_on_or_refused_clearly(data, reference, tmp_path):
+    import dataclasses
+    import mpistrat as ms
+    done = subprocess.run(_command(2, data, tmp_path, "--deterministic"), env=_env(), cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if "deterministic" in {f.name for f in dataclasses.fields(ms.CommunicationOptions)}:
+        assert done.returncode == 0, done.stdout[-3000:]
+        assert "test accuracy:" in done.stdout
+    else:
+        assert done.returncode not in (0, 124)
+        assert done.stdout.count("--deterministic: this mpistrat has no deterministic "
+                                 "reductions") == 2, done.stdout[-3000:]

@@ -17,9 +17,9 @@ which the Slurm templates turn into ``scontrol requeue``::
         handler.run(strategy.run, step, args=(batch(handler.total_run_calls),))
 
 How the ranks agree (no barrier per step): at every step boundary (each ``run`` or
-``save_checkpoint_if_preempted``), a rank waits for the 8-byte ``Iallreduce`` it posted at the
-previous boundary, which every rank posted too and which has long completed behind the step's
-own collectives, then posts a new one with its own flag. A signal that arrives during step k
+``save_checkpoint_if_preempted``), a rank waits for the 16-byte ``Iallreduce`` it posted at
+the previous boundary, which every rank posted too and which has long completed behind the
+step's own collectives, then posts a new one with its own flag. A signal that arrives during step k
 is posted at boundary k+1 and seen by every rank at boundary k+2, the same boundary on all
 ranks, where they save and exit. The exchange runs on a private communicator, so it never
 meets the training collectives.
@@ -94,6 +94,7 @@ class PreemptionCheckpointHandler:
     made there). The run count is attached to the checkpoint as ``preemption`` and the
     latest checkpoint is restored at once, so ``total_run_calls`` continues where it stopped.
     ``cluster_resolver`` is accepted for TensorFlow compatibility (the MPI job is the cluster).
+    ``restored_from`` (an extension) is the checkpoint restored on construction, or ``None``.
     """
 
     def __init__(self, cluster_resolver=None, checkpoint_or_checkpoint_manager=None,

@@ -108,6 +108,50 @@ def make_strategy(args):
             lambda tree: jax.tree_util.tree_map(jax.dlpack.from_dlpack, tree))
 
 
+class Model:
+    """Parameters and Adam's state as strategy variables, and the step each replica runs.
+
+    ``train_step(batch)``: ``jax.grad`` of the summed loss over this replica's rows, one
+    all-reduce (SUM) of gradients and ``[loss, correct, rows]`` through the replica context,
+    division by the global row count, and the Adam update assigned on every replica (the same
+    reduced values everywhere, so the replicas stay identical). Returns the global stats.
+    """
+
+    def __init__(self, strategy, init, lr: float, to_replica, from_replica):
+        import jax
+        self._map = jax.tree_util.tree_map
+        with strategy.scope():   # every rank starts from rank 0's values
+            self.params = self._map(lambda a: ms.Variable(a, name="param"), init)
+            self.adam_m = self._map(lambda a: ms.Variable(np.zeros_like(a), name="adam_m"), init)
+            self.adam_v = self._map(lambda a: ms.Variable(np.zeros_like(a), name="adam_v"), init)
+            self.iterations = ms.Variable(np.float32(0), name="iterations")
+        self.optimizer_state = {"m": self.adam_m, "v": self.adam_v,
+                                "iterations": self.iterations}
+        self._lr, self._to, self._from = lr, to_replica, from_replica
+        self._grad, self._eval = jax.jit(digits.grad_sums), jax.jit(digits.eval_sums)
+        self._update = jax.jit(digits.adam_update)
+
+    def _read(self, tree):
+        return self._map(lambda v: v.read_value(), tree)
+
+    def train_step(self, batch):
+        grads, stats = self._grad(self._read(self.params), batch)
+        total = self._from(ms.get_replica_context().all_reduce(
+            "SUM", {"grads": self._to(grads), "stats": self._to(stats)}))
+        rows_seen = total["stats"][2]
+        grads = self._map(lambda g: g / rows_seen, total["grads"])
+        step = self.iterations.read_value() + 1
+        new = self._update(self._read(self.params), grads, self._read(self.adam_m),
+                           self._read(self.adam_v), step, self._lr)
+        for variables, values in zip((self.params, self.adam_m, self.adam_v), new):
+            self._map(lambda var, value: var.assign(value), variables, values)
+        self.iterations.assign(step)
+        return total["stats"]
+
+    def eval_step(self, batch):
+        return self._to(self._eval(self._read(self.params), batch))
+
+
 class History:
     """Per-epoch metrics and the running sums of the epoch in progress (saved in checkpoints)."""
 
@@ -194,15 +238,10 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as err:
         raise SystemExit(f"jobs/train.py: {err}") from None
 
-    import jax
     from tqdm import tqdm
-    tree_map = jax.tree_util.tree_map
+    model = Model(strategy, digits.init_params(features, args.hidden, classes, args.seed),
+                  args.lr, to_replica, from_replica)
     with strategy.scope():
-        init = digits.init_params(features, args.hidden, classes, args.seed)
-        params = tree_map(lambda a: ms.Variable(a, name="param"), init)
-        adam_m = tree_map(lambda a: ms.Variable(np.zeros_like(a), name="adam_m"), init)
-        adam_v = tree_map(lambda a: ms.Variable(np.zeros_like(a), name="adam_v"), init)
-        iterations = ms.Variable(np.float32(0), name="iterations")
         epoch = ms.Variable(np.int64(0), name="epoch")
 
     options = ms.data.Options()
@@ -215,30 +254,12 @@ def main(argv=None) -> int:
         .with_options(options))
     steps_per_epoch = rows // args.global_batch if static else -(-rows // args.global_batch)
 
-    grad_fn, eval_fn = jax.jit(digits.grad_sums), jax.jit(digits.eval_sums)
-    update_fn = jax.jit(digits.adam_update)
-    read = lambda tree: tree_map(lambda v: v.read_value(), tree)  # noqa: E731
-
-    def train_step(batch):
-        grads, stats = grad_fn(read(params), batch)
-        total = from_replica(ms.get_replica_context().all_reduce(
-            "SUM", {"grads": to_replica(grads), "stats": to_replica(stats)}))
-        rows_seen = total["stats"][2]
-        grads = tree_map(lambda g: g / rows_seen, total["grads"])
-        step = iterations.read_value() + 1
-        new = update_fn(read(params), grads, read(adam_m), read(adam_v), step, args.lr)
-        for variables, values in zip((params, adam_m, adam_v), new):
-            tree_map(lambda var, value: var.assign(value), variables, values)
-        iterations.assign(step)
-        return total["stats"]
-
     def local(value):  # this rank's result of strategy.run as a NumPy array
         return np.asarray(strategy.experimental_local_results(value)[0])
 
     history = History()
     iterator = iter(train)
-    checkpoint = ms.Checkpoint(model=params, optimizer={"m": adam_m, "v": adam_v,
-                                                        "iterations": iterations},
+    checkpoint = ms.Checkpoint(model=model.params, optimizer=model.optimizer_state,
                                epoch=epoch, history=history, iterator=iterator)
     manager = ms.CheckpointManager(checkpoint, args.checkpoint_dir, max_to_keep=3)
     handler = ms.distribute.experimental.PreemptionCheckpointHandler(
@@ -258,7 +279,7 @@ def main(argv=None) -> int:
 
     def one_step():
         batch = next(iterator)        # after the preemption check: a saved position is exact
-        return strategy.run(train_step, args=(batch,))
+        return strategy.run(model.train_step, args=(batch,))
 
     # mpirun gives ranks a terminal of size 0x0 (tqdm would then hide its bar): use the
     # size of ours when known, else 100 columns
@@ -282,7 +303,7 @@ def main(argv=None) -> int:
         test_stats = np.zeros(3)
         for batch in test:
             test_stats += np.asarray(strategy.reduce(
-                "SUM", strategy.run(lambda b: to_replica(eval_fn(read(params), b)), args=(batch,)),
+                "SUM", strategy.run(model.eval_step, args=(batch,)),
                 axis=None), dtype=np.float64)
         row = history.end_epoch(test_stats)
         epoch.assign_add(1)

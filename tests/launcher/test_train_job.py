@@ -194,3 +194,21 @@ def test_deterministic_flag_is_passed_on_or_refused_clearly(data, reference, tmp
         assert done.returncode not in (0, 124)
         assert done.stdout.count("--deterministic: this mpistrat has no deterministic "
                                  "reductions") == 2, done.stdout[-3000:]
+
+
+def test_tpu_replicas_train_every_jax_device_and_resume(data, reference, tmp_path):
+    env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    first = subprocess.run(_command(2, data, tmp_path, "--replicas", "tpu", "--epochs", "1"),
+                           env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    assert first.returncode == 0, first.stdout[-3000:]
+    # static shapes: 1437 rows make 22 full batches of 64, 8 rows per device
+    assert "8 replicas (TPUStrategy, tpu), 1437 training rows, global batch 64, 22 steps" \
+        in first.stdout, first.stdout[-3000:]
+    assert re.search(r"^test accuracy: 0\.\d{3}$", first.stdout, re.M)
+    with h5py.File(_latest(tmp_path), "r") as f:
+        assert int(f["preemption/total_run_calls"][()]) == 22
+    second = subprocess.run(_command(1, data, tmp_path, "--replicas", "tpu"), env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert second.returncode == 0, second.stdout[-3000:]      # a second epoch on 4 replicas
+    assert "resumed from" in second.stdout and "epoch   2/2" in second.stdout, second.stdout

@@ -25,11 +25,11 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.checkpoint import writer
-from mpistrat.checkpoint.agree import Failure, agree_errors, agree_view
+from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.checkpoint.files import (data_file, local_view, missing_hint, remove_leftovers,
                                        state_name)
 from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots
-from mpistrat.checkpoint.h5read import read_catalog, read_values
+from mpistrat.checkpoint.h5read import Reader, read_catalog, read_values
 from mpistrat.checkpoint.h5write import write_file
 from mpistrat.checkpoint.state_file import CheckpointState, read_state, write_state
 from mpistrat.collectives import CollectiveEngine
@@ -246,11 +246,14 @@ class Checkpoint:
         slots = collect_slots(self._named(), self._assign)
         for name in sorted(set(slots) & set(catalog)):
             _check_compatible(slots[name], catalog[name], name, final)
-        values = read_values(final, catalog, engine, catalog)
-        matched = self._apply(slots, values, final)
-        pending = {p: v for p, v in values.items() if p not in matched}
+        matched, pending = set(), {}
+        with Reader(catalog, engine) as reader:
+            for batch in _read_batches(catalog):  # read, verify, apply: old values freed as we go
+                values = read_values(final, reader, batch)
+                matched |= self._apply(slots, values, final)
+                pending.update((p, v) for p, v in values.items() if p not in matched)
         object.__setattr__(self, "_pending", pending)
-        status = CheckpointLoadStatus(final, matched, pending, set(slots) - set(values))
+        status = CheckpointLoadStatus(final, matched, pending, set(slots) - set(catalog))
         object.__setattr__(self, "_status", status)
         return status
 
@@ -276,6 +279,25 @@ class Checkpoint:
         if self._status is not None:
             self._status.matched |= matched
             self._status.unmatched_values -= matched
+
+
+_BATCH_BYTES = 64 << 20
+
+
+def _read_batches(catalog) -> List[List[str]]:
+    """Paths in batches of about 64 MiB (a large value alone), all ``state`` values last and
+    together (their owner restores them at once), so a restore holds at most the state plus
+    one batch in memory."""
+    batches: List[List[str]] = [[]]
+    size = 0
+    for path in sorted(p for p, e in catalog.items() if e.kind != "state"):
+        if batches[-1] and size + catalog[path].nbytes > _BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(path)
+        size += catalog[path].nbytes
+    batches.append(sorted(p for p, e in catalog.items() if e.kind == "state"))
+    return [b for b in batches if b]
 
 
 def _prepare_directory(directory: str, engine: CollectiveEngine, path: str) -> None:

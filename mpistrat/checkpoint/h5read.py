@@ -24,7 +24,7 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.checkpoint.agree import Failure, agree_errors, agree_view
+from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.checkpoint.files import part_match
 from mpistrat.checkpoint.graph import check_path
 from mpistrat.checkpoint.h5write import checksum
@@ -34,7 +34,7 @@ from mpistrat.checkpoint.validate import (MAX_PARTITIONS, check_checksums, check
 from mpistrat.collectives import CollectiveEngine
 from mpistrat.errors import DataLossError, NotFoundError
 
-__all__ = ["Entry", "read_catalog", "read_values", "SMALL_BYTES"]
+__all__ = ["Entry", "Reader", "read_catalog", "read_values", "SMALL_BYTES"]
 
 SMALL_BYTES = 1 << 20  # values below this are read whole by every rank
 _VERSIONS = (1, 2)
@@ -211,26 +211,69 @@ def _virtual_pieces(final: str, dset, entry: Entry, parts) -> List[Tuple[str, in
 
 
 # -- data ---------------------------------------------------------------------------------
-def _read_into(path: str, offset: Optional[int], dest: np.ndarray, entry: Entry, k: int) -> None:
-    """Fill ``dest`` (partition ``k``'s rows) from its file; a short read is data loss."""
-    if offset is None:  # compact storage: tiny, through h5py
-        with h5py.File(path, "r") as f:
-            a, b = entry.partitions[k]
-            data = f[entry.path][()]
-            dest[...] = data.reshape(1)[a:b] if data.ndim == 0 else data[a:b]
-        return
-    view = memoryview(dest.reshape(-1).view(np.uint8))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        position = offset
+class Reader:
+    """Open files and the checksum threads of one restore; asks the kernel to read ahead.
+
+    Use as a context manager around every ``read_values`` of one restore.
+    """
+
+    def __init__(self, catalog: Dict[str, Entry], engine: CollectiveEngine):
+        self.catalog, self.engine = catalog, engine
+        self.pool = ThreadPoolExecutor(max_workers=2)  # zlib releases the GIL
+        self._fds: Dict[str, int] = {}
+
+    def __enter__(self) -> "Reader":
+        for path in sorted(self.catalog):  # our byte ranges, read ahead while we work
+            entry = self.catalog[path]
+            first, stop = self.run(entry)
+            for k in range(first, stop):
+                file, offset = entry.pieces[k]
+                if offset is not None and file:
+                    a, b = entry.partitions[k]
+                    self._advise(file, offset, (b - a) * entry.row_bytes)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.pool.shutdown(wait=True)
+        for fd in self._fds.values():
+            os.close(fd)
+
+    def run(self, entry: Entry) -> Tuple[int, int]:
+        """The partitions this rank reads: all of a small value, one run of a large one."""
+        if entry.nbytes < SMALL_BYTES or not entry.shape or self.engine.size == 1:
+            return 0, len(entry.partitions)
+        return read_runs(len(entry.partitions), self.engine.size)[self.engine.rank]
+
+    def fd(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def _advise(self, path: str, offset: int, nbytes: int) -> None:
+        if nbytes and hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(self.fd(path), offset, nbytes, os.POSIX_FADV_SEQUENTIAL)
+            except OSError:
+                pass  # advice only
+
+    def read_into(self, path: str, offset: Optional[int], dest: np.ndarray, entry: Entry,
+                  k: int) -> None:
+        """Fill ``dest`` (partition ``k``'s rows) from its file; a short read is data loss."""
+        if offset is None:  # compact storage: tiny, through h5py
+            with h5py.File(path, "r") as f:
+                a, b = entry.partitions[k]
+                data = f[entry.path][()]
+                dest[...] = data.reshape(1)[a:b] if data.ndim == 0 else data[a:b]
+            return
+        view = memoryview(dest.reshape(-1).view(np.uint8))
+        fd, position = self.fd(path), offset
         while len(view):
             got = os.preadv(fd, [view], position)
             if got <= 0:
                 raise DataLossError(f"{path}: short read at offset {position} for object "
                                     f"{entry.path!r}: the file is truncated")
             view, position = view[got:], position + got
-    finally:
-        os.close(fd)
 
 
 def _verify(block: np.ndarray, entry: Entry, k: int, source: str) -> None:
@@ -240,36 +283,33 @@ def _verify(block: np.ndarray, entry: Entry, k: int, source: str) -> None:
                             f"{a}:{b}: the file is corrupt; restore an earlier checkpoint")
 
 
-def read_values(final: str, catalog: Dict[str, Entry], engine: CollectiveEngine,
-                paths) -> Dict[str, np.ndarray]:
-    """Read ``paths`` of ``catalog`` on every rank, checksums verified (collective)."""
-    rank, size = engine.rank, engine.size
+def read_values(final: str, reader: Reader, paths) -> Dict[str, np.ndarray]:
+    """Read ``paths`` of the catalog on every rank, checksums verified (collective)."""
+    engine, catalog = reader.engine, reader.catalog
     values: Dict[str, np.ndarray] = {}
     large: List[str] = []
     failure = None
     try:
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            checks: List[Future] = []
-            for path in sorted(paths):
-                entry = catalog[path]
-                dest = np.empty(entry.shape, dtype=entry.dtype)
-                rows = dest.reshape((1,) + entry.shape) if not entry.shape else dest
-                whole = entry.nbytes < SMALL_BYTES or not entry.shape or size == 1
-                first, stop = (0, len(entry.partitions)) if whole else \
-                    read_runs(len(entry.partitions), size)[rank]
-                for k in range(first, stop):
-                    a, b = entry.partitions[k]
-                    _read_into(*entry.pieces[k], rows[a:b], entry, k)
-                    checks.append(pool.submit(_verify, rows[a:b], entry, k, entry.pieces[k][0]))
-                values[path] = dest
-                if not whole:
-                    large.append(path)
-            for check in checks:
-                check.result()
+        checks: List[Future] = []
+        for path in sorted(paths):
+            entry = catalog[path]
+            dest = np.empty(entry.shape, dtype=entry.dtype)
+            rows = dest.reshape((1,) + entry.shape) if not entry.shape else dest
+            first, stop = reader.run(entry)
+            for k in range(first, stop):
+                a, b = entry.partitions[k]
+                reader.read_into(*entry.pieces[k], rows[a:b], entry, k)
+                checks.append(reader.pool.submit(_verify, rows[a:b], entry, k,
+                                                 entry.pieces[k][0]))
+            values[path] = dest
+            if stop - first < len(entry.partitions):
+                large.append(path)
+        for check in checks:
+            check.result()
     except (DataLossError, NotFoundError) as err:
-        failure = Failure(err, rank)
+        failure = Failure(err, engine.rank)
     except OSError as err:
-        failure = Failure(DataLossError(f"reading {final}: {err}"), rank)
+        failure = Failure(DataLossError(f"reading {final}: {err}"), engine.rank)
     agree_errors(engine, failure, f"restoring {final}")
     for path in large:  # every rank read one run of partitions; complete them in place
         _all_gather_rows(values[path], catalog[path], engine)

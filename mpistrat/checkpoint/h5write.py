@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Tuple
 import h5py
 import numpy as np
 
-from mpistrat.checkpoint.agree import Failure, agree_errors, agree_view
+from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.checkpoint.files import (USERBLOCK, part_name, remove_checkpoint, temp_name,
                                        write_marker)
 from mpistrat.checkpoint.layout import partition_owner, write_partitions

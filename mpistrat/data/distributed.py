@@ -36,6 +36,7 @@ import numpy as np
 
 from mpistrat import nest
 from mpistrat.collectives import ReduceOp
+from mpistrat.collectives.agreement import Failure, agree_errors
 from mpistrat.data.dataset import Dataset, _prefetched
 from mpistrat.data.options import AutoShardPolicy
 from mpistrat.data.readers import BatchedRecords
@@ -108,12 +109,21 @@ class DistributedIterator:
     def get_next(self) -> PerReplica:
         return next(self)
 
+    def _next_local(self):
+        """This rank's next element (or ``_END``) and its failure, if reading it failed."""
+        try:
+            return next(self._local, _END), None
+        except Exception as err:  # noqa: BLE001 - agreed with the other ranks, then raised
+            return _END, Failure(err, self._engine.rank, "reading its input")
+
     def _advance(self) -> PerReplica:
-        element = next(self._local, _END)
+        element, failure = self._next_local()
         if self._static:  # full batches only: stop when any rank has none left
-            more = self._engine.all_reduce(np.array([element is not _END], np.int32),
-                                           ReduceOp.MIN)
-            if not more[0]:
+            flags = self._engine.all_reduce(
+                np.array([element is _END, failure is not None], np.int32), ReduceOp.MAX)
+            if flags[1]:
+                agree_errors(self._engine, failure, f"input step {self._steps}")
+            if flags[0]:
                 raise StopIteration
             self._steps += 1
             return _regroup(*element, self._replica_ids) if isinstance(element, _Prepared) \
@@ -122,7 +132,10 @@ class DistributedIterator:
             self._template = element
         needs = element is _END and self._template is None
         flags = self._engine.all_reduce(
-            np.array([element is not _END, needs], dtype=np.int32), ReduceOp.MAX)
+            np.array([element is not _END, needs, failure is not None], dtype=np.int32),
+            ReduceOp.MAX)
+        if flags[2]:  # a rank could not read (a truncated file, say): every rank raises
+            agree_errors(self._engine, failure, f"input step {self._steps}")
         if not flags[0]:
             raise StopIteration  # no rank has data left: everyone stops on this step
         if flags[1]:  # a rank that never had data learns the batch layout from one that did

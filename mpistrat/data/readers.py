@@ -15,6 +15,7 @@ counts what this rank read::
 """
 
 import os
+import weakref
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -36,6 +37,13 @@ def _numeric(dtype, what: str) -> np.dtype:
     if dtype.kind not in _NUMERIC_KINDS or dtype.fields is not None or dtype.subdtype is not None:
         raise ValueError(f"{what}: dtype {dtype} is not supported (plain numeric and bool only)")
     return dtype
+
+
+def _close_all(handles: dict) -> None:
+    for handle in handles.values():
+        if not MPI.Is_finalized():
+            handle.Close()
+    handles.clear()
 
 
 class RecordFiles(Dataset):
@@ -86,6 +94,22 @@ class RecordFiles(Dataset):
                              f"{self.record_bytes}-byte records + footer {footer_bytes}")
         return body // self.record_bytes
 
+    def _handle(self, file_index: int) -> MPI.File:
+        """The file opened once (MPI-IO, this rank alone) and kept: the kernel's read-ahead
+        follows a rank's consecutive reads instead of starting over at every batch."""
+        handles = self.__dict__.setdefault("_handles", {})
+        handle = handles.get(file_index)
+        if handle is None:
+            try:
+                handle = MPI.File.Open(MPI.COMM_SELF, self.files[file_index], MPI.MODE_RDONLY)
+            except MPI.Exception as err:
+                raise NotFoundError(f"record file {self.files[file_index]} cannot be opened: "
+                                    f"{err.Get_error_string()}") from None
+            handles[file_index] = handle
+            if len(handles) == 1:  # closed when the reader goes, or at exit before MPI ends
+                weakref.finalize(self, _close_all, handles)
+        return handle
+
     @property
     def num_rows(self) -> int:
         return int(self.starts[-1])
@@ -96,17 +120,9 @@ class RecordFiles(Dataset):
         buffer = np.empty(count * self.record_bytes, dtype=np.uint8)
         if count:
             offset = self.header_bytes + first * self.record_bytes
-            try:
-                handle = MPI.File.Open(MPI.COMM_SELF, self.files[file_index], MPI.MODE_RDONLY)
-            except MPI.Exception as err:
-                raise NotFoundError(f"record file {self.files[file_index]} cannot be opened: "
-                                    f"{err.Get_error_string()}") from None
-            try:
-                status = MPI.Status()
-                handle.Read_at(offset, buffer, status)
-                got = status.Get_count(MPI.BYTE)
-            finally:
-                handle.Close()
+            status = MPI.Status()
+            self._handle(file_index).Read_at(offset, buffer, status)
+            got = status.Get_count(MPI.BYTE)
             if got != buffer.nbytes:  # the file shrank after the dataset was built
                 raise DataLossError(f"{self.files[file_index]}: short read at offset {offset}: "
                                     f"{got} of {buffer.nbytes} bytes (the file was truncated?)")

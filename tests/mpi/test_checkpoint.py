@@ -220,3 +220,27 @@ def test_unusable_directory_raises_on_every_rank(world, shared_dir):
     world.comm.Barrier()
     with pytest.raises(OSError, match="preparing .*file: FileExistsError"):
         ms.Checkpoint(v=ms.Variable(1.0)).save(os.path.join(blocker, "ckpt"))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_crafted_files_raise_on_every_rank(world, shared_dir, monkeypatch):
+    ckpt = ms.Checkpoint(w=ms.Variable(np.arange(1_000_000.0)))   # 8 MB: a partition per rank
+    path = ckpt.save(shared_dir + "/ckpt")
+    if world.rank == 0:  # partitions that overlap: rows 0..k are claimed twice
+        with h5py.File(path + ".h5", "r+") as f:
+            parts = f["w"].attrs["mpistrat_partitions"]
+            parts[-1][0] -= 1 if len(parts) > 1 else 0
+            parts[0][1] += 1 if len(parts) == 1 else 0
+            f["w"].attrs["mpistrat_partitions"] = parts
+    world.comm.Barrier()
+    with pytest.raises(ms.errors.DataLossError, match=r"object 'w'.*partition"):
+        ckpt.restore(path)
+    monkeypatch.setenv("MPISTRAT_CHECKPOINT_MODE", "parts")
+    path = ckpt.save(shared_dir + "/parts")
+    world.comm.Barrier()
+    if world.rank == 0:
+        os.remove([os.path.join(shared_dir, n) for n in sorted(os.listdir(shared_dir))
+                   if n.startswith("parts-") and ".part-" in n][-1])
+    world.comm.Barrier()
+    with pytest.raises(ms.errors.NotFoundError, match=r"part file .* of checkpoint"):
+        ckpt.restore(path)

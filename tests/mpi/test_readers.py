@@ -121,3 +121,21 @@ def test_npy_and_hdf5_readers(strategy, world, shared_dir):
     assert world.comm.allreduce(kept) == 4
     with pytest.raises(FileNotFoundError):
         ms.data.HDF5Dataset(h5path, "nope")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_file_truncated_under_one_rank_raises_on_every_rank(strategy, world, shared_dir):
+    path = os.path.join(shared_dir, "trunc.bin")
+    if world.rank == 0:
+        np.arange(4000, dtype=np.int32).tofile(path)
+    world.comm.Barrier()
+    dataset = ms.data.FixedLengthRecordDataset([path], record_bytes=4, dtype=np.int32)
+    batches = iter(strategy.experimental_distribute_dataset(dataset.batch(400 * world.size)))
+    next(batches)  # the first global batch reads fine everywhere
+    world.comm.Barrier()
+    if world.rank == 0:
+        os.truncate(path, 4 * 400 * world.size + 8)  # the last rank's next rows are gone
+    world.comm.Barrier()
+    with pytest.raises(ms.errors.DataLossError, match=rf"rank {world.size - 1}: reading its "
+                                                      rf"input.*short read"):
+        next(batches)

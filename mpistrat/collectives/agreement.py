@@ -1,23 +1,25 @@
-"""Agreement among ranks before each step of a save or a restore.
+"""Agreement among ranks: one rank's failure, or differing views, raise on every rank.
 
 Every decision about files (does it exist, what does the state file say, did
-the write succeed) is taken by each rank and then agreed with one small
-all-gather, so ranks with different views of the file system, or a rank whose
-write failed, make every rank raise the same error together instead of
-leaving some waiting in the next collective.
+a write or a read succeed) is taken by each rank and then agreed with one
+small all-reduce (which honours the collective timeout); only when something
+differs are the texts gathered. So ranks with different views of the file
+system, or a rank whose write or read failed, make every rank raise the same
+error together instead of leaving some waiting in the next collective.
 
-    >>> from mpistrat.checkpoint.agree import describe_views
+    >>> from mpistrat.collectives.agreement import describe_views
     >>> describe_views(["file", "file", "missing"])
     'ranks 0-1: file; rank 2: missing'
 """
 
+import builtins
 import errno as errno_codes
 import hashlib
 from typing import Any, List, Optional, Sequence, Type
 
 import numpy as np
 
-from mpistrat.collectives import CollectiveEngine
+from mpistrat.collectives.engine import CollectiveEngine
 from mpistrat.errors import DataLossError, NotFoundError
 
 __all__ = ["Failure", "agree_errors", "agree_view", "describe_views", "rank_list"]
@@ -66,18 +68,23 @@ def agree_errors(engine: CollectiveEngine, failure: Optional[Failure], what: str
                  hint: str = "") -> None:
     """Raise the same error on every rank if any rank failed (collective).
 
-    The class follows the first failure (``DataLossError``, ``NotFoundError``,
-    ``ValueError``; any other becomes an ``OSError`` keeping its errno, so
-    ``err.errno == errno.ENOSPC`` works for a full disk).
+    The class follows the first failure: ``DataLossError``, ``NotFoundError``
+    and ``ValueError`` as they are; an error with an errno becomes an
+    ``OSError`` keeping it (``err.errno == errno.ENOSPC`` for a full disk);
+    other builtin errors keep their class; anything else is a ``RuntimeError``.
     """
     if not _anyone(engine, failure is not None):
         return
     failures: List[Failure] = [f for f in engine.comm.allgather(failure) if f is not None]
     first = failures[0]
     text = f"{what} failed: " + "; ".join(f.text for f in failures) + (f"; {hint}" if hint else "")
-    cls: Type[BaseException] = _CLASSES.get(first.kind, OSError)
-    if cls is OSError and first.errno is not None:
+    if first.kind in _CLASSES:
+        raise _CLASSES[first.kind](text)
+    if first.errno is not None:
         raise OSError(first.errno, f"{text}{_errno_hint(first.errno)}")
+    builtin = getattr(builtins, first.kind, None)  # KeyError, TypeError, ... keep their class
+    cls: Type[BaseException] = builtin if isinstance(builtin, type) and \
+        issubclass(builtin, Exception) and builtin.__init__ is not OSError.__init__ else RuntimeError
     raise cls(text)
 
 

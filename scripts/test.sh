@@ -24,7 +24,7 @@ timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no -p no:cacheprovider -
     $(for t in $JOB_TESTS; do echo "--ignore=$t"; done) \
     tests/unit tests/launcher 2>&1 | tee "$logs/single.log" || failed_runs="$failed_runs single"
 
-echo "=== main job (jobs/train.py at 1-4 ranks, SIGKILL and resume) and preemption"
+echo "=== main job (jobs/train.py at 1-4 ranks, SIGKILL and resume), preemption, Slurm templates"
 timeout --kill-after=15 900 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=300 --timeout-method=thread \
     $JOB_TESTS 2>&1 | tee "$logs/jobs.log" || failed_runs="$failed_runs jobs"
 

@@ -1,5 +1,5 @@
 # make test: install everything (Debian packages, .venv, parallel h5py) and run the whole suite.
-# make run:  install everything and run the main job under mpirun.
+# make run:  install everything and train the digits classifier (jobs/train.py) on 2 ranks.
 .PHONY: setup test run bench clean
 
 setup:
@@ -9,7 +9,7 @@ test: setup
 	bash scripts/test.sh
 
 run: setup
-	scripts/mpirun --limit 300 -n 2 .venv/bin/python jobs/demo_reduce.py
+	scripts/mpirun --limit 300 -n 2 .venv/bin/python jobs/train.py
 
 bench: setup
 	bash scripts/bench.sh

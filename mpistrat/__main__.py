@@ -1,41 +1,26 @@
-"""``python -m mpistrat info``: what this job's ranks see (MPI, nodes, h5py, devices).
+"""``python -m mpistrat info``: what this job's ranks see, as a table on rank 0 (or ``--json``).
 
-    mpirun -n 2 python -m mpistrat info
+    mpirun -n 2 python -m mpistrat info          # one row per rank, then the facts
+    mpirun -n 2 python -m mpistrat info --json   # the same as one JSON document
+
+Rows: rank, host, node, local rank, the device the rank would bind, and the collective
+backend chosen for each array kind (NumPy, CuPy, JAX). Facts: the MPI library and thread
+level, CUDA-awareness and how it was decided, NCCL, parallel h5py, CuPy and JAX with their
+devices (asked once per node, on its first rank, with GPU memory preallocation off), and the
+Slurm allocation when inside one.
 """
 
 import argparse
 import json
+import os
 import sys
+from typing import Dict, List
 
-
-def info() -> dict:
-    """A summary of this rank's environment, as a dict."""
-    import h5py
-    import mpi4py
-    from mpi4py import MPI
-
-    from mpistrat.checkpoint.h5write import checkpoint_mode
-    from mpistrat.runtime import get_world
-    from mpistrat.collectives.backends.describe import describe_backends
-    from mpistrat.collectives.topology import comm_topology
-    from mpistrat.runtime.devices import cuda_aware_mpi, nccl_available
-    from mpistrat.runtime.gpus import count_gpus
-
-    world = get_world()
-    return {
-        "rank": world.rank, "size": world.size, "host": world.hostname,
-        "node": world.node_index, "nodes": world.num_nodes,
-        "local_rank": world.local_rank, "local_size": world.local_size,
-        "mpi": MPI.Get_library_version().splitlines()[0].strip(),
-        "mpi4py": mpi4py.__version__, "thread_level": MPI.Query_thread(),
-        "h5py": h5py.__version__, "h5py_mpi": bool(h5py.get_config().mpi),
-        "checkpoint_mode": checkpoint_mode(),
-        "cuda_aware_mpi": cuda_aware_mpi()[1], "nccl": nccl_available()[1],
-        "jax": _version("jax"),  # for TPUStrategy; read from metadata, JAX is not started
-        "gpus": count_gpus(),
-        # which backend and algorithm each array kind and size would get, and why
-        "backends": describe_backends(world.size, comm_topology(world.comm)),
-    }
+_THREAD_LEVELS = {0: "MPI_THREAD_SINGLE", 1: "MPI_THREAD_FUNNELED", 2: "MPI_THREAD_SERIALIZED",
+                  3: "MPI_THREAD_MULTIPLE"}
+_SLURM = ("SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_PARTITION", "SLURM_JOB_NODELIST",
+          "SLURM_NNODES", "SLURM_NTASKS", "SLURM_TASKS_PER_NODE", "SLURM_CPUS_PER_TASK",
+          "SLURM_GPUS_PER_TASK", "SLURM_RESTART_COUNT")
 
 
 def _version(package: str):
@@ -46,15 +31,164 @@ def _version(package: str):
         return None
 
 
+def _clean(text: str) -> str:
+    """Printable text: no NUL bytes or control characters, single spaces."""
+    return " ".join("".join(c if c.isprintable() else " " for c in text).split())
+
+
+def _gpus() -> Dict:
+    """CuPy's view of the GPUs: ``{"cupy": version, "gpus": [names]}`` (empty without CuPy)."""
+    if _version("cupy") is None and not any(_version(p) for p in ("cupy-cuda12x",
+                                                                   "cupy-cuda13x")):
+        return {"cupy": None, "gpus": []}
+    try:
+        import cupy
+        names = []
+        for index in range(cupy.cuda.runtime.getDeviceCount()):
+            name = cupy.cuda.runtime.getDeviceProperties(index)["name"]
+            names.append(_clean(name.decode() if isinstance(name, bytes) else str(name)))
+        return {"cupy": cupy.__version__, "gpus": names}
+    except Exception as err:  # CuPy installed, CUDA driver missing
+        return {"cupy": f"unusable ({_clean(str(err))[:80]})", "gpus": []}
+
+
+def _jax_devices() -> Dict:
+    """JAX's local devices (starting JAX on this rank only)."""
+    if _version("jax") is None:
+        return {"jax": None, "jax_devices": []}
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    try:
+        import jax
+        return {"jax": jax.__version__, "jax_devices": [str(d) for d in jax.local_devices()]}
+    except Exception as err:  # a backend that fails to start is a fact too
+        return {"jax": _version("jax"), "jax_devices": [f"error: {_clean(str(err))[:80]}"]}
+
+
+def info() -> dict:
+    """A summary of this rank's environment, as a dict (collective over the world)."""
+    import h5py
+    import mpi4py
+    from mpi4py import MPI
+
+    from mpistrat.checkpoint.h5write import checkpoint_mode
+    from mpistrat.collectives.backends import select_backend
+    from mpistrat.collectives.backends.describe import describe_backends
+    from mpistrat.collectives.topology import comm_topology
+    from mpistrat.collectives.options import CommunicationImplementation
+    from mpistrat.runtime import get_world
+    from mpistrat.runtime.devices import capabilities, cuda_aware_mpi, gpu_for_local_rank, \
+        nccl_available
+
+    world = get_world()
+    gpus = _gpus()
+    device = "CPU"
+    if gpus["gpus"]:
+        index = gpu_for_local_rank(world.local_rank, len(gpus["gpus"]))
+        device = f"GPU {index} ({gpus['gpus'][index]})"
+    caps = capabilities()
+    installed = {"numpy": True, "cupy": bool(gpus["gpus"]), "jax": _version("jax") is not None}
+    backends = {}
+    for kind, present in installed.items():
+        try:
+            backends[kind] = (select_backend(kind, CommunicationImplementation.AUTO, caps,
+                                             comm_topology(world.comm)).name
+                              if present else None)
+        except ValueError as err:
+            backends[kind] = f"none ({err})"
+    # JAX is started once per node (several processes must not claim one accelerator)
+    jax_facts = _jax_devices() if world.local_rank == 0 else {"jax": _version("jax"),
+                                                              "jax_devices": None}
+    major, minor = MPI.Get_version()
+    return {
+        "rank": world.rank, "size": world.size, "host": world.hostname,
+        "node": world.node_index, "nodes": world.num_nodes,
+        "local_rank": world.local_rank, "local_size": world.local_size,
+        "device": device, "backends": backends,
+        "mpi": _clean(MPI.Get_library_version().splitlines()[0]).rstrip(","),
+        "mpi_standard": f"{major}.{minor}", "mpi4py": mpi4py.__version__,
+        "thread_level": _THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread())),
+        "cuda_aware_mpi": cuda_aware_mpi()[0], "cuda_aware_mpi_how": cuda_aware_mpi()[1],
+        "nccl": nccl_available()[0], "nccl_how": nccl_available()[1],
+        "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version,
+        "h5py_mpi": bool(h5py.get_config().mpi),
+        "checkpoint_mode": checkpoint_mode(),
+        "cupy": gpus["cupy"], "gpus": gpus["gpus"], **jax_facts,
+        "slurm": {k: os.environ[k] for k in _SLURM if k in os.environ} or None,
+        # which backend and algorithm each array kind and size would take, and why
+        "collective_paths": describe_backends(world.size, comm_topology(world.comm), caps),
+    }
+
+
+def render(rows: List[dict]) -> str:
+    """The table and facts printed by ``info`` (pure: rows in, text out)."""
+    kinds = ("numpy", "cupy", "jax")
+    header = ["rank", "host", "node", "local rank", "device"] + [f"{k} backend" for k in kinds]
+    table = [[str(r["rank"]), r["host"], f"{r['node']}/{r['nodes']}",
+              f"{r['local_rank']}/{r['local_size']}", r["device"]]
+             + [r["backends"][k] or "(not installed)" for k in kinds] for r in rows]
+    widths = [max(len(line[i]) for line in [header] + table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip()
+             for line in [header] + table]
+    first = rows[0]
+
+    def agreed(key):
+        values = {json.dumps(r[key], sort_keys=True) for r in rows}
+        note = "" if len(values) == 1 else f"  (differs across ranks: {sorted(values)})"
+        return first[key], note
+
+    def fact(label, text):
+        lines.append(f"{label:<16}{text}")
+
+    lines.append("")
+    fact("MPI", f"{first['mpi']} (MPI {first['mpi_standard']}), mpi4py {first['mpi4py']}")
+    fact("thread level", "%s%s" % agreed("thread_level"))
+    fact("layout", f"{first['size']} ranks on {first['nodes']} node(s)")
+    aware, note = agreed("cuda_aware_mpi")
+    fact("CUDA-aware MPI", f"{'yes' if aware else 'no'}: {first['cuda_aware_mpi_how']}{note}")
+    nccl, note = agreed("nccl")
+    fact("NCCL", f"{'yes' if nccl else 'no'}: {first['nccl_how']}{note}")
+    fact("h5py", f"{first['h5py']} on HDF5 {first['hdf5']}, parallel (MPI-IO): "
+                 f"{'yes' if first['h5py_mpi'] else 'no'}; checkpoints: {first['checkpoint_mode']}")
+    cupy = first["cupy"] or "not installed"
+    fact("CuPy", f"{cupy}; GPUs on rank 0's node: {', '.join(first['gpus']) or 'none'}")
+    for r in rows:
+        if r["jax_devices"] is not None:
+            devices = ", ".join(r["jax_devices"]) or "none"
+            fact("JAX" if r is first else "", f"{r['jax'] or 'not installed'} on {r['host']}: "
+                                              f"{devices}" if r["jax"] else "not installed")
+            if not first["jax"]:
+                break
+    slurm = first["slurm"]
+    fact("Slurm", "not inside an allocation" if not slurm else
+         ", ".join(f"{k.replace('SLURM_', '').lower()}={v}" for k, v in slurm.items()))
+    lines.append("")
+    lines.append("collective paths (all-reduce, rank 0's view):")
+    for path in first.get("collective_paths", []):
+        size = _bytes(path["bytes"])
+        lines.append(f"  {path['kind']:<6}{size:>8}  " + (
+            f"{path['backend']} / {path['algorithm']}: {path['why']}" if "backend" in path
+            else f"none: {path['error']}"))
+    return "\n".join(lines) + "\n"
+
+
+def _bytes(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpistrat")
     parser.add_argument("command", choices=["info"], help="info: describe every rank")
-    parser.parse_args(argv)
+    parser.add_argument("--json", action="store_true", help="one JSON document on rank 0")
+    args = parser.parse_args(argv)
     from mpistrat.runtime import get_world
     rows = get_world().comm.gather(info(), root=0)
     if rows is not None:
-        for row in rows:
-            sys.stdout.write(json.dumps(row) + "\n")
+        sys.stdout.write(json.dumps({"ranks": rows}, indent=1) + "\n" if args.json
+                         else render(rows))
+        sys.stdout.flush()
     return 0
 
 

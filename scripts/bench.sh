@@ -9,6 +9,9 @@ done
 for n in 1 2 4; do
     scripts/mpirun --limit 900 -n "$n" .venv/bin/python benchmarks/input.py --gib 1.0
 done
+for n in 1 2 4; do
+    scripts/mpirun --limit 600 -n "$n" .venv/bin/python benchmarks/train_step.py
+done
 XLA_FLAGS=--xla_force_host_platform_device_count=4 \
     scripts/mpirun --limit 900 -n 2 .venv/bin/python benchmarks/tpu_bridge.py | grep -av '^\[Gloo\]'
 benchmarks/hosts.sh   # 2 hosts x 2 ranks on the namespace cluster, unshaped and at 1gbit

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One-command, idempotent set-up for a fresh Debian machine:
 #   Debian's Open MPI and parallel HDF5, a virtual environment in .venv,
-#   mpi4py, numpy, pytest, pytest-mpi, tqdm, JAX (CPU), and h5py built
-#   against parallel HDF5. A second run only checks and takes seconds.
+#   mpi4py, numpy, pytest, pytest-mpi, tqdm, JAX (CPU), scikit-learn and
+#   matplotlib (the main job), and h5py built against parallel HDF5.
+#   A second run only checks and takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -55,7 +56,10 @@ fi
 "$PY" -c "import jax, sys; sys.exit(tuple(map(int, jax.__version__.split('.')[:2])) < (0, 7))" \
     2>/dev/null || $PIP "jax[cpu]>=0.7"
 
-# 5. The package itself, editable.
+# 5. What the main job (jobs/train.py) uses: scikit-learn's bundled digits, matplotlib's plot.
+"$PY" -c "import sklearn, matplotlib" 2>/dev/null || $PIP scikit-learn matplotlib
+
+# 6. The package itself, editable.
 $PIP --no-deps --no-build-isolation -e .
 
 "$PY" -c "import h5py; assert h5py.get_config().mpi, 'h5py lacks MPI support'"

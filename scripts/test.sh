@@ -16,14 +16,22 @@ summary() {  # the counts in pytest's closing line of log $1
     grep -aE "[0-9]+ (passed|failed|errors?|skipped).* in [0-9.]+s" "$1" | tail -n 1
 }
 
+# The main job and preemption tests launch whole training jobs: a stage of their own.
+JOB_TESTS="tests/launcher/test_train_job.py tests/launcher/test_preemption.py tests/launcher/test_slurm_templates.py"
+
 echo "=== single-process tests (unit, launcher; then GPU tests, which skip without a GPU)"
 timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=300 --timeout-method=thread \
+    $(for t in $JOB_TESTS; do echo "--ignore=$t"; done) \
     tests/unit tests/launcher 2>&1 | tee "$logs/single.log" || failed_runs="$failed_runs single"
 
 # GPU tests: on a machine without CuPy and a GPU each one is skipped, with the reason shown
 # (a pytest run of its own: tests/launcher imports its conftest by name).
 timeout --kill-after=15 300 "$PY" -m pytest -q -rs --color=no -p no:cacheprovider --timeout=120 \
     tests/gpu 2>&1 | tee "$logs/gpu.log" || failed_runs="$failed_runs gpu"
+
+echo "=== main job (jobs/train.py at 1-4 ranks, SIGKILL and resume), preemption, Slurm templates"
+timeout --kill-after=15 900 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=300 --timeout-method=thread \
+    $JOB_TESTS 2>&1 | tee "$logs/jobs.log" || failed_runs="$failed_runs jobs"
 
 # ranks_run NAME N TESTS [mpirun limit] [pytest timeout]: one multi-rank pytest run; on
 # failure the logs of ranks > 0 are shown. [Gloo] lines are JAX's connection chatter.
@@ -73,8 +81,9 @@ MPISTRAT_TEST_LOGS=$PWD/$logs timeout --kill-after=15 1200 "$PY" -m pytest -q --
 scripts/cluster down >/dev/null 2>&1 || true
 
 passed=0; failed=0; skipped=0
-for f in "$logs/single.log" "$logs/gpu.log" "$logs"/np?.rank0.log "$logs"/nodes*.rank0.log \
-         "$logs"/tpu?.rank0.log "$logs/cluster.log" "$logs"/cluster-*.rank0.log; do
+for f in "$logs/single.log" "$logs/gpu.log" "$logs/jobs.log" "$logs"/np?.rank0.log \
+         "$logs"/nodes*.rank0.log "$logs"/tpu?.rank0.log "$logs/cluster.log" \
+         "$logs"/cluster-*.rank0.log; do
     [ -f "$f" ] || continue
     line=$(summary "$f")
     p=$(grep -oE "[0-9]+ passed" <<<"$line" | grep -oE "[0-9]+" || true)

@@ -1,0 +1,63 @@
+"""``python -m mpistrat info``: the table on rank 0, the facts, and ``--json``."""
+
+import json
+import re
+
+from mpistrat.__main__ import render
+
+INFO = "import sys, runpy\nsys.argv = ['mpistrat', 'info'] + sys.argv[1:]\n" \
+       "runpy.run_module('mpistrat', run_name='__main__')\n"
+
+
+def test_info_prints_one_row_per_rank_then_the_facts(launch):
+    result = launch(3, INFO, limit=60)
+    assert result.returncode == 0, result
+    assert "\x00" not in result.output
+    lines = result.output.splitlines()
+    assert lines[0].split()[:5] == ["rank", "host", "node", "local", "rank"], result
+    rows = [line.split() for line in lines[1:4]]
+    assert [r[0] for r in rows] == ["0", "1", "2"], result
+    assert [r[3] for r in rows] == ["0/3", "1/3", "2/3"] and all(r[5] == "host-mpi" for r in rows)
+    assert sum(line.startswith("rank ") for line in lines) == 1, "only rank 0 prints"
+    facts = {line[:16].strip(): line[16:] for line in lines[5:] if line[:16].strip()}
+    assert facts["MPI"].startswith("Open MPI v") and "(MPI 3." in facts["MPI"], result
+    assert re.fullmatch(r"MPI_THREAD_\w+", facts["thread level"]), result
+    assert facts["CUDA-aware MPI"].startswith(("yes: ", "no: ")), result
+    assert "parallel (MPI-IO): yes" in facts["h5py"], result
+    import jax
+    assert facts["JAX"].startswith(jax.__version__), result
+    assert facts["Slurm"] == "not inside an allocation", result
+
+
+def test_info_json_is_one_document_on_rank_0(launch):
+    result = launch(2, INFO, "--json", limit=60)
+    assert result.returncode == 0, result
+    document = json.loads(result.output[result.output.index("{"):])
+    rows = document["ranks"]
+    assert [r["rank"] for r in rows] == [0, 1] and all(r["size"] == 2 for r in rows)
+    assert all(r["h5py_mpi"] is True and r["mpi"].startswith("Open MPI") for r in rows)
+    assert all("\x00" not in r["mpi"] for r in rows)
+    assert rows[0]["jax_devices"] and rows[1]["jax_devices"] is None  # JAX once per node
+    assert all(r["backends"]["numpy"] == "host-mpi" for r in rows)
+
+
+def _row(rank, **changes):
+    row = {"rank": rank, "size": 2, "host": f"n{rank}", "node": rank, "nodes": 2, "local_rank": 0,
+           "local_size": 1, "device": "GPU 0 (H200)",
+           "backends": {"numpy": "host-mpi", "cupy": "staged-host-mpi", "jax": None},
+           "mpi": "Open MPI v4.1.6", "mpi_standard": "3.1", "mpi4py": "4.1",
+           "thread_level": "MPI_THREAD_MULTIPLE", "cuda_aware_mpi": False,
+           "cuda_aware_mpi_how": "asked", "nccl": True, "nccl_how": "imported", "h5py": "3.16",
+           "hdf5": "1.14", "h5py_mpi": False, "checkpoint_mode": "parts", "cupy": "14.0",
+           "gpus": ["H200"], "jax": None, "jax_devices": [],
+           "slurm": {"SLURM_JOB_ID": "7", "SLURM_NNODES": "2"}}
+    row.update(changes)
+    return row
+
+
+def test_render_names_disagreements_and_the_allocation():
+    text = render([_row(0), _row(1, cuda_aware_mpi=True)])
+    assert "GPU 0 (H200)" in text and "(not installed)" in text
+    assert "CUDA-aware MPI  no: asked  (differs across ranks" in text
+    assert "Slurm           job_id=7, nnodes=2" in text
+    assert "JAX             not installed" in text

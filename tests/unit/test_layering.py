@@ -1,0 +1,64 @@
+"""Lower layers never import higher ones (DESIGN.md section 4, docs/architecture.md).
+
+Every ``import`` of an ``mpistrat`` module, at module level or inside a function, is read
+from the source with ``ast`` and checked against the layer table below.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2] / "mpistrat"
+
+# module prefix -> layer (longest prefix wins)
+LAYERS = {
+    "mpistrat.errors": 0, "mpistrat.nest": 0, "mpistrat.partition": 0,
+    "mpistrat.runtime": 1, "mpistrat.cluster_resolver": 1, "mpistrat.config": 1,
+    "mpistrat.tpu": 1,
+    "mpistrat.collectives": 2,
+    "mpistrat.distribute": 3, "mpistrat.experimental": 3,
+    "mpistrat.data": 4,
+    "mpistrat.checkpoint": 5, "mpistrat.train": 5,
+    "mpistrat.preemption": 5.5,
+    "mpistrat.__main__": 6, "mpistrat": 6,            # the package's __init__ ties all together
+}
+
+
+def layer(module: str) -> float:
+    best = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return LAYERS[best]
+
+
+def imports(path: Path, module: str):
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names if a.name.startswith("mpistrat"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            if base.startswith("mpistrat"):
+                yield from ((f"{base}.{a.name}" if f"{base}.{a.name}".replace(".", "/")
+                             in _MODULES else base) for a in node.names)
+
+
+_MODULES = {str(p.relative_to(ROOT.parent).with_suffix("")).replace("/__init__", "")
+            for p in ROOT.rglob("*.py")}
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = []
+    for path in sorted(ROOT.rglob("*.py")):
+        module = str(path.relative_to(ROOT.parent).with_suffix("")).replace("/", ".")
+        module = module.removesuffix(".__init__")
+        for target in imports(path, module):
+            if layer(target) > layer(module):
+                upward.append(f"{module} (layer {layer(module)}) imports {target} "
+                              f"(layer {layer(target)})")
+    assert not upward, "\n".join(upward)
+
+
+def test_the_table_knows_every_module():
+    assert layer("mpistrat.preemption") > layer("mpistrat.checkpoint.manager") > \
+        layer("mpistrat.data.readers") > layer("mpistrat.distribute.experimental")

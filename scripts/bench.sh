@@ -2,6 +2,9 @@
 # Run the benchmarks; each prints JSON lines with ratios to a raw baseline from the same run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Every line is also kept in out/bench/results.jsonl; plots of it go to docs/img at the end.
+mkdir -p out/bench
+exec > >(tee out/bench/results.jsonl) 2>&1
 scripts/mpirun --limit 900 -n 2 .venv/bin/python benchmarks/collectives.py
 for n in 1 2 4; do
     scripts/mpirun --limit 900 -n "$n" .venv/bin/python benchmarks/checkpoint.py --gib 1.0
@@ -26,3 +29,4 @@ else
             benchmarks/hierarchical.py
     done
 fi
+.venv/bin/python scripts/plot_benchmarks.py out/bench/results.jsonl docs/img

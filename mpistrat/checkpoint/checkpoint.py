@@ -231,7 +231,10 @@ class Checkpoint:
         ``ValueError`` (naming the object path) for a shape or dtype mismatch,
         ``DataLossError`` for a corrupt or crafted file; the same on every rank.
         The file is validated, and shapes compared with the objects, before
-        any value is read.
+        any value is read. Values are then read, verified and applied in batches
+        of about 64 MiB (so a restore needs little memory beyond the state): if
+        a checksum fails in a later batch, the objects of earlier batches
+        already hold the file's values; restore another checkpoint then.
         """
         if save_path is None:
             return InitializationOnlyStatus()

@@ -1,6 +1,7 @@
 """The slurm/ templates, submitted with sbatch to the namespace cluster (2 nodes)."""
 
 import re
+import time
 
 import pytest
 
@@ -35,3 +36,58 @@ def test_tpu_template_trains_and_resumes_on_two_jax_hosts(cluster, tmp_path):
             assert f"resumed={resumed}" in line, line
         assert f"ckpt-{2 * attempt}" in epochs[-1], epochs
         assert any(line.startswith("final w ") for line in output.splitlines()), output
+
+
+def _submit(cluster, script, out, env, *options):
+    done = cluster.script("run", "node1", "sbatch", "--parsable", f"--output={out}", *options,
+                          str(script), cwd=ROOT, env=env)
+    return done.stdout.strip().split(";")[0]
+
+
+def _state(cluster, job_id):
+    return cluster.script("run", "head", "squeue", "-h", "-j", job_id, "-o", "%T",
+                          check=False).stdout.strip()
+
+
+def _wait_for(predicate, seconds, what):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"{what} not within {seconds}s")
+
+
+def test_cpu_training_template_trains_on_two_nodes(cluster, tmp_path):
+    env = {"RUN_DIR": str(tmp_path / "run"), "DATA_DIR": str(tmp_path / "data"),
+           "TRAIN_ARGS": "--epochs 3"}
+    info, output = cluster.sbatch(ROOT / "slurm" / "train_cpu.sbatch", cwd=ROOT,
+                                  out_dir=tmp_path, env=env, timeout=240)
+    assert "JobState=COMPLETED" in info and "ExitCode=0:0" in info, info + output
+    assert re.search(r"NodeList=node\[1-2\]", info), info
+    assert "4 replicas (MultiWorkerMirroredStrategy" in output, output
+    accuracy = float(re.search(r"^test accuracy: (0\.\d+)$", output, re.M).group(1))
+    assert accuracy > 0.8, output
+    assert (tmp_path / "run" / "ckpt-3.h5").exists() and (tmp_path / "run" / "checkpoint").exists()
+
+
+def test_preemptible_template_requeues_and_resumes(cluster, tmp_path):
+    out = tmp_path / "preemptible.out"
+    env = {"RUN_DIR": str(tmp_path / "run"), "DATA_DIR": str(tmp_path / "data"),
+           "TRAIN_ARGS": "--epochs 40"}
+    job_id = _submit(cluster, ROOT / "slurm" / "train_preemptible.sbatch", out, env)
+    try:
+        _wait_for(lambda: out.exists() and "epoch   2/40" in out.read_text(), 180,
+                  "the first epochs")
+        # the warning signal of --signal=B:USR1@120, sent now: to the batch script
+        cluster.script("run", "head", "scancel", "--signal=USR1", "--batch", job_id)
+        _wait_for(lambda: "requeueing job" in out.read_text(), 120, "the requeue")
+        _wait_for(lambda: _state(cluster, job_id) == "" or
+                  "finished with exit code" in out.read_text(), 600, "the resumed run")
+    finally:
+        cluster.script("run", "head", "scancel", job_id, check=False)
+    text = out.read_text()
+    assert "restart 1" in text, text                       # SLURM_RESTART_COUNT after requeue
+    assert "finished with exit code 0" in text, text
+    assert re.search(r"^resumed from \S+ckpt-\d+: epoch \d+, step", text, re.M), text
+    assert re.search(r"^test accuracy: 0\.\d+$", text, re.M), text

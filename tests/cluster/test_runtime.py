@@ -1,5 +1,6 @@
 """The runtime and the strategies see real hosts (mpirun over the agent, and srun)."""
 
+import json
 import sys
 
 import pytest
@@ -12,10 +13,11 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_info_reports_the_real_hosts(cluster, tmp_path, launcher, layout):
-    result = cluster.launch(launcher, layout, [sys.executable, "-m", "mpistrat", "info"],
+    result = cluster.launch(launcher, layout,
+                            [sys.executable, "-m", "mpistrat", "info", "--json"],
                             cwd=tmp_path)
     assert result.returncode == 0, result
-    rows = result.rows()
+    rows = json.loads(result.output[result.output.index("{"):])["ranks"]
     hosts, per_host = parse_layout(layout)
     assert [row["rank"] for row in rows] == list(range(hosts * per_host)), result
     for row in rows:

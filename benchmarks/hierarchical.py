@@ -48,20 +48,26 @@ def hierarchical_cross_bytes(nbytes: int, topology) -> int:
 
 
 def tx_bytes(iface):
+    """Bytes sent by ``iface`` of this host's network namespace (``/proc/net/dev`` follows the
+    reader's namespace, ``/sys/class/net`` does not)."""
     if not iface:
         return 0
-    try:
-        with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as handle:
-            return int(handle.read())
-    except OSError:
-        return 0
+    with open("/proc/net/dev") as handle:
+        for line in handle:
+            name, _, fields = line.partition(":")
+            if name.strip() == iface:
+                return int(fields.split()[8])
+    return 0
 
 
 def measured(comm, fn, repeats, iface):
-    before = tx_bytes(iface)
-    seconds = best_seconds(comm, fn, repeats)
-    sent = comm.allreduce(tx_bytes(iface) - before) if iface else None
-    return seconds, sent
+    """Slowest rank's best time, and the bytes all hosts' links sent per call (read by one
+    rank per host: the first of each node)."""
+    leader = bool(iface) and MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED).Get_rank() == 0
+    before = tx_bytes(iface) if leader else 0
+    seconds = best_seconds(comm, fn, repeats)  # a warm-up call, then ``repeats`` calls
+    sent = comm.allreduce(tx_bytes(iface) - before if leader else 0) if iface else None
+    return seconds, (sent // (repeats + 1) if sent is not None else None)
 
 
 def main():

@@ -14,3 +14,16 @@ for rate in unshaped 1gbit; do
     PYTHONPATH=$PWD scripts/cluster mpirun --limit 900 -n 4 "$PY" benchmarks/hosts.py \
         --link "$rate" "$@"
 done
+# Hierarchical vs flat ring vs raw MPI.Allreduce (and what auto picks) on real hosts, with the
+# bytes read from each host's eth0 counters: 2 hosts x 2 ranks and 3 hosts x 1 rank.
+for layout in "2 2" "3 1"; do
+    set -- $layout
+    scripts/cluster down >/dev/null 2>&1 || true
+    scripts/cluster up "$1" "$2"
+    for rate in unshaped 1gbit; do
+        if [ "$rate" = unshaped ]; then scripts/cluster shape off; else scripts/cluster shape "$rate"; fi
+        echo "{\"hosts\": $1, \"ranks_per_host\": $2, \"link\": \"$rate\"}"
+        PYTHONPATH=$PWD scripts/cluster mpirun --limit 900 -n $(($1 * $2)) "$PY" \
+            benchmarks/hierarchical.py --iface eth0
+    done
+done

@@ -127,7 +127,9 @@ def test_algorithm_chosen_by_topology():
     assert explain_algorithm(64 << 20, 4, topology=two_by_two)[0] == "hierarchical"
     assert explain_algorithm(1 << 10, 4, topology=two_by_two)[0] == "mpi"
     algorithm, why = explain_algorithm(64 << 20, 3, topology=three_by_one)
-    assert algorithm == "mpi" and "flat ring loses" in why
+    assert algorithm == "ring" and "fewer bytes over each host link" in why
+    two_by_one = make_topology([0, 1], [None] * 2)
+    assert explain_algorithm(64 << 20, 2, topology=two_by_one)[0] == "mpi"
     assert explain_algorithm(8, 4, preference="reduce_broadcast")[0] == "reduce_broadcast"
     with pytest.raises(ValueError):
         explain_algorithm(8, 4, preference="butterfly")

@@ -25,10 +25,12 @@ from mpistrat import nest
 from mpistrat.collectives.backends import select_backend
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.options import CommunicationImplementation, CommunicationOptions
-from mpistrat.collectives.reduce_op import ReduceOp
+from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
+from mpistrat.collectives.reproducible import deterministic_default, exact_sum
 from mpistrat.collectives.validation import agree, start_agree, validation_enabled
 from mpistrat.errors import AbortedError, DeadlineExceededError, InvalidArgumentError
-from mpistrat.runtime.devices import Capabilities, array_kind, capabilities
+from mpistrat.runtime import timeline
+from mpistrat.runtime.devices import Capabilities, array_kind, capabilities, from_host, to_host
 
 __all__ = ["CollectiveEngine", "default_timeout"]
 
@@ -66,6 +68,8 @@ def _signature(arrays) -> tuple:
 
 
 _ALL_REDUCE_WHAT = {op: f"all_reduce {op.name}" for op in ReduceOp}
+_EXACT = (ReduceOp.SUM, ReduceOp.MEAN)
+_ENGINES = [0]  # engines made so far: ids that match across ranks (made in the same order)
 
 
 class CollectiveEngine:
@@ -85,6 +89,9 @@ class CollectiveEngine:
         self._trace = log.isEnabledFor(logging.DEBUG)
         self._broken: Optional[str] = None
         self._calls = 0
+        self.deterministic = deterministic_default()  # MPISTRAT_DETERMINISTIC, read once
+        self._id = _ENGINES[0] = _ENGINES[0] + 1
+        self._backend_name = ""
 
     # -- the common prologue -------------------------------------------------
     def _prologue(self, what: str, options: Optional[CommunicationOptions]):
@@ -116,6 +123,8 @@ class CollectiveEngine:
     def _run(self, what, arrays, opts, call):
         """Group ``arrays`` by kind, run ``call(backend, indices)`` per group."""
         if all(type(a) is np.ndarray for a in arrays):  # the common case: one host group
+            if timeline.ON:
+                self._backend_name = _HOST_BACKEND.name
             if self._trace:
                 log.debug("#%d %s: %d numpy tensors via %s", self._calls, what, len(arrays),
                           _HOST_BACKEND.name)
@@ -127,6 +136,8 @@ class CollectiveEngine:
         for kind, indices in groups.items():
             backend = select_backend(kind, opts.implementation, capabilities()
                                      if kind != "numpy" else _HOST_CAPS)
+            if timeline.ON:
+                self._backend_name = backend.name
             if self._trace:
                 log.debug("#%d %s: %d %s tensors via %s", self._calls, what, len(indices), kind,
                           backend.name)
@@ -136,15 +147,68 @@ class CollectiveEngine:
 
     # -- collectives ---------------------------------------------------------
     def all_reduce(self, value: Any, op, options: Optional[CommunicationOptions] = None) -> Any:
-        """Combine ``value`` (a nest of arrays) element-wise over all ranks."""
+        """Combine ``value`` (a nest of arrays) element-wise over all ranks.
+
+        With ``CommunicationOptions(deterministic=True)`` (or
+        ``MPISTRAT_DETERMINISTIC=1``) SUM and MEAN are bitwise reproducible
+        (``collectives/reproducible.py``).
+        """
+        start = timeline.begin() if timeline.ON else None
         op = ReduceOp.from_any(op)
         nested = isinstance(value, (dict, list, tuple))
         arrays = [_as_array(v) for v in nest.flatten(value)] if nested else [_as_array(value)]
-        what = _ALL_REDUCE_WHAT[op]
-        opts, deadline = self._begin(what, _signature(arrays), options)
-        results = self._run(what, arrays, opts, lambda backend, idx: backend.all_reduce(
-            self.comm, [arrays[i] for i in idx], op, opts.pack_bytes, deadline))
+        if op in _EXACT and self.is_deterministic(options):
+            results = self._exact(arrays, op, None, options)[0]
+        else:
+            what = _ALL_REDUCE_WHAT[op]
+            opts, deadline = self._begin(what, _signature(arrays), options)
+            results = self._run(what, arrays, opts, lambda backend, idx: backend.all_reduce(
+                self.comm, [arrays[i] for i in idx], op, opts.pack_bytes, deadline))
+        if start is not None:
+            self._record(_ALL_REDUCE_WHAT[op], start, arrays)
         return nest.pack_sequence_as(value, results) if nested else results[0]
+
+    def is_deterministic(self, options: Optional[CommunicationOptions] = None) -> bool:
+        """Whether SUM and MEAN take the reproducible path for these per-call options."""
+        return self.deterministic or self.options.deterministic or bool(
+            options is not None and options.deterministic)
+
+    def exact_sum(self, arrays: List, axis: Optional[int],
+                  options: Optional[CommunicationOptions] = None):
+        """Reproducible SUM over ranks of ``arrays``, element-wise or of all rows along
+        ``axis``: ``(sums, global summand counts)`` (see ``reproducible``)."""
+        start = timeline.begin() if timeline.ON else None
+        arrays = [_as_array(a) for a in arrays]
+        out = self._exact(arrays, ReduceOp.SUM, axis, options)
+        if start is not None:
+            self._record(f"exact sum axis={axis}", start, arrays)
+        return out
+
+    def _exact(self, arrays, op, axis, options):
+        what = f"deterministic {_ALL_REDUCE_WHAT[op]} axis={axis}"
+        signature = tuple((a.dtype.str, tuple(-1 if axis is not None and d == axis % a.ndim
+                                              else n for d, n in enumerate(a.shape)))
+                          for a in arrays)
+        opts, deadline = self._begin(what, signature, options)
+        kinds = {array_kind(a) for a in arrays}
+        hosts = [to_host(a) if array_kind(a) != "numpy" else a for a in arrays]
+
+        def sum_across(wires):
+            return self._run(what, wires, opts, lambda backend, idx: backend.all_reduce(
+                self.comm, [wires[i] for i in idx], ReduceOp.SUM, opts.pack_bytes, deadline))
+
+        sums, counts = self._guard(exact_sum, self.comm, hosts, axis, sum_across)
+        if op is ReduceOp.MEAN:
+            sums = [_divided(s, c) for s, c in zip(sums, counts)]
+        if kinds != {"numpy"}:
+            sums = [from_host(s, a) if array_kind(a) != "numpy" else s
+                    for s, a in zip(sums, arrays)]
+        return sums, counts
+
+    def _record(self, what: str, start: float, arrays) -> None:
+        timeline.end(what, start, sum(getattr(a, "nbytes", 0) for a in arrays),
+                     {"engine": self._id, "seq": self._calls, "backend": self._backend_name,
+                      "tensors": len(arrays), "ranks": self.size})
 
     def all_gather(self, value: Any, axis: int = 0,
                    options: Optional[CommunicationOptions] = None) -> Any:
@@ -153,6 +217,7 @@ class CollectiveEngine:
         Shapes may differ along ``axis`` only; anything else raises
         ``InvalidArgumentError`` (a ``ValueError``) on every rank, naming ranks.
         """
+        start = timeline.begin() if timeline.ON else None
         arrays = [_as_array(v) for v in nest.flatten(value)]
         what = f"all_gather axis={axis}"
         masked = tuple((a.dtype.str,
@@ -172,6 +237,8 @@ class CollectiveEngine:
         results = self._run(what, arrays, opts, lambda backend, idx: backend.all_gather(
             self.comm, [arrays[i] for i in idx], [counts[i] for i in idx],
             _axis_or_none(axis, arrays[idx[0]].ndim), deadline))
+        if start is not None:
+            self._record(what, start, results)
         return nest.pack_sequence_as(value, results)
 
     def _gather_counts(self, what, arrays, axis, deadline) -> List[List[int]]:
@@ -187,11 +254,14 @@ class CollectiveEngine:
     def broadcast(self, value: Any, root: int = 0,
                   options: Optional[CommunicationOptions] = None) -> Any:
         """Every rank receives ``root``'s ``value`` (same structure, shapes and dtypes)."""
+        start = timeline.begin() if timeline.ON else None
         arrays = [_as_array(v) for v in nest.flatten(value)]
         what = f"broadcast root={root}"
         opts, deadline = self._begin(what, _signature(arrays), options)
         results = self._run(what, arrays, opts, lambda backend, idx: backend.broadcast(
             self.comm, [arrays[i] for i in idx], root, deadline))
+        if start is not None:
+            self._record(what, start, arrays)
         return nest.pack_sequence_as(value, results)
 
     def agree(self, what: str, signature: tuple,
@@ -225,6 +295,13 @@ class CollectiveEngine:
         """Wait until every rank has arrived (honours the timeout)."""
         _, deadline = self._begin("barrier", (), options)
         self._guard(wait_all, [self.comm.Ibarrier()], deadline, "barrier")
+
+
+def _divided(total, count: int):
+    """MEAN from a SUM over ``count`` summands (integers truncate, as TensorFlow's ``Div``)."""
+    result = np.array(total, copy=True)
+    divide_for_mean(result, count)
+    return result
 
 
 def _nothing() -> None:

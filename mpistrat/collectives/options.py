@@ -39,12 +39,17 @@ class CommunicationOptions:
     collective that has not completed after this long raises
     ``DeadlineExceededError`` on the ranks that waited (``None``: wait
     forever, unless ``MPISTRAT_COLLECTIVE_TIMEOUT`` sets a default).
-    ``implementation``: ``AUTO``, ``MPI`` or ``NCCL``.
+    ``implementation``: ``AUTO``, ``MPI`` or ``NCCL``. ``deterministic``:
+    SUM and MEAN give bitwise identical results whatever the rank count,
+    algorithm, fusion or order (exact fixed-point sums,
+    ``collectives/reproducible.py``; ``MPISTRAT_DETERMINISTIC=1`` turns it on
+    for every engine). Every rank must pass the same value.
     """
 
     bytes_per_pack: int = 0
     timeout_seconds: Optional[float] = None
     implementation: CommunicationImplementation = CommunicationImplementation.AUTO
+    deterministic: bool = False
 
     def __post_init__(self):
         if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
@@ -70,4 +75,5 @@ class CommunicationOptions:
             else self.timeout_seconds,
             implementation=other.implementation
             if other.implementation is not CommunicationImplementation.AUTO else self.implementation,
+            deterministic=bool(other.deterministic or self.deterministic),
         )

@@ -1,0 +1,203 @@
+"""Reproducible sums: SUM and MEAN with the same bits whatever the order of addition.
+
+Floating-point addition is not associative, so a sum depends on the rank
+count, the algorithm (ring or MPI's tree), the fusion and, along an axis, on
+how rows were split over ranks. Here each floating-point tensor is summed
+exactly, as integers, on a fixed-point grid that every rank agrees on:
+
+1. Each rank finds the binary exponent of its largest magnitude
+   (``max_exponent``) and how many summands it adds per element (1, or its
+   rows along the reduced axis). One ``Allgather`` of these small integers
+   gives every rank the global exponent ``E`` (``max|x| < 2**E``) and the
+   global summand count ``M``: both independent of how the data is split.
+2. ``grid_for(dtype, E, M)`` picks the integer type and the fraction bits
+   ``F``: each value ``x`` becomes ``q = rint(x * 2**(F-E))`` with
+   ``|q| <= 2**F``, and ``M`` of them add up without overflow.
+3. ``to_fixed`` (summing rows along the axis in integers), an integer SUM
+   across ranks (any algorithm, any fusion: integer addition is exact and
+   associative), then ``from_fixed``: ``total * 2**(E-F)`` rounded once to
+   the tensor's dtype.
+
+Every step is a function of each element alone or an exact integer sum, so
+the result is bitwise identical at any rank count, split, algorithm or order.
+
+Accuracy: each value is rounded to the grid ``2**(E-F)``, an error of at most
+half a grid step, so ``|result - exact sum| <= M * 2**(E-F-1)`` plus the final
+rounding to the dtype (half an ulp of the result). ``F`` keeps at least the
+significand of the largest value (24 bits for float32, 11 for float16,
+53 for float64 while ``M < 1024``; beyond that float64 keeps ``63 - bits(M)``):
+values far smaller than the largest lose low bits, as they would in any sum
+with it. Integer tensors are summed as integers (already exact). NaN or
+infinity anywhere in a tensor makes that tensor fall back to the ordinary
+float sum (the result is NaN or infinite either way)::
+
+    >>> import numpy as np
+    >>> from mpistrat.collectives.reproducible import grid_for, max_exponent, to_fixed, from_fixed
+    >>> x = np.array([[0.1, 1e-8], [0.2, 3.0]], dtype=np.float32)
+    >>> e = max_exponent(x); wire, f = grid_for(x.dtype, e, 2)
+    >>> q = to_fixed(x, e, f, wire, axis=0)            # rows summed exactly
+    >>> from_fixed(q, e, f, x.dtype)
+    array([0.3, 3. ], dtype=float32)
+"""
+
+import os
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from mpistrat.collectives.buffer_pool import default_pool
+
+__all__ = ["DETERMINISTIC_ENV", "deterministic_default", "ZERO", "NONFINITE", "max_exponent", "grid_for", "to_fixed", "from_fixed",
+           "exact_sum", "is_exact_kind"]
+
+DETERMINISTIC_ENV = "MPISTRAT_DETERMINISTIC"
+ZERO = -(1 << 30)       # exponent of an all-zero (or empty) tensor
+NONFINITE = 1 << 30     # exponent of a tensor holding NaN or infinity
+_SIGNIFICAND = {2: 11, 4: 24, 8: 53}   # bits, by float itemsize
+
+
+def deterministic_default() -> bool:
+    """Whether ``MPISTRAT_DETERMINISTIC`` turns reproducible sums on for every engine."""
+    return os.environ.get(DETERMINISTIC_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def is_exact_kind(dtype) -> bool:
+    """Whether ``dtype`` goes through the fixed-point path (floating point, real or complex)."""
+    return np.dtype(dtype).kind in "fc"
+
+
+def _real(array: np.ndarray) -> np.ndarray:
+    """Complex values as pairs of reals (a view), real ones unchanged; float16 widened to
+    float32 (whose range holds the scaled integers)."""
+    if array.dtype.kind == "c":
+        array = np.ascontiguousarray(array)
+        return array.view(array.real.dtype).reshape(array.shape + (2,))
+    if array.dtype.itemsize < 4:
+        return array.astype(np.float32)
+    return array
+
+
+def max_exponent(array: np.ndarray) -> int:
+    """``e`` with ``max|x| < 2**e`` (``ZERO`` if all zero or empty, ``NONFINITE``)."""
+    array = _real(array)
+    if array.size == 0:
+        return ZERO
+    high, low = array.max(), array.min()
+    if not (np.isfinite(high) and np.isfinite(low)):
+        return NONFINITE
+    biggest = max(float(high), -float(low))
+    if biggest == 0.0:
+        return ZERO
+    return int(np.frexp(biggest)[1])
+
+
+def grid_for(dtype, exponent: int, count: int) -> Tuple[np.dtype, int]:
+    """``(integer dtype, fraction bits F)`` for ``count`` summands below ``2**exponent``.
+
+    int32 when it keeps the full significand of the largest value (float16,
+    float32 with up to 127 summands), else int64::
+
+        >>> grid_for(np.float32, 0, 4)
+        (dtype('int32'), 28)
+        >>> grid_for(np.float32, 0, 1000)
+        (dtype('int64'), 53)
+    """
+    dtype = np.dtype(dtype)
+    itemsize = dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize
+    need = _SIGNIFICAND.get(itemsize, 53)
+    headroom = max(int(count), 1).bit_length()  # count < 2**headroom
+    if 31 - headroom >= need:
+        return np.dtype(np.int32), 31 - headroom
+    return np.dtype(np.int64), 63 - headroom
+
+
+def _scaled(array: np.ndarray, shift: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """``array * 2**shift``, exact while the result is normal (ldexp when the power
+    itself does not fit the dtype)."""
+    info = np.finfo(array.dtype)
+    if info.minexp <= shift < info.maxexp:
+        return np.multiply(array, array.dtype.type(2.0 ** shift), out=out)
+    return np.ldexp(array, shift, out=out)
+
+
+def to_fixed(array: np.ndarray, exponent: int, fraction_bits: int, wire,
+             axis: Optional[int] = None) -> np.ndarray:
+    """The integers ``rint(x * 2**(F-E))``; with ``axis``, summed along it (exactly)."""
+    array = np.asarray(array)
+    if axis is not None:
+        axis = axis % max(array.ndim, 1)
+    real = _real(array)
+    wire = np.dtype(wire)
+    if exponent == ZERO:
+        shape = real.shape if axis is None else np.delete(real.shape, axis % max(real.ndim, 1))
+        return np.zeros(tuple(int(d) for d in shape), dtype=wire)
+    pool = default_pool()
+    scaled = _scaled(real, fraction_bits - exponent, out=pool.take(real.shape, real.dtype))
+    np.rint(scaled, out=scaled)
+    if axis is None:
+        fixed = np.empty(real.shape, dtype=wire)
+        np.copyto(fixed, scaled, casting="unsafe")
+        return fixed
+    fixed = pool.take(real.shape, wire)
+    np.copyto(fixed, scaled, casting="unsafe")
+    return np.sum(fixed, axis=axis, dtype=wire)
+
+
+def from_fixed(total: np.ndarray, exponent: int, fraction_bits: int, dtype) -> np.ndarray:
+    """``total * 2**(E-F)`` in ``dtype``: one rounding of the exact integer sum."""
+    dtype = np.dtype(dtype)
+    real_dtype = dtype.type(0).real.dtype
+    work = np.dtype(np.float32) if real_dtype.itemsize < 4 else real_dtype
+    if exponent == ZERO:
+        out = np.zeros(total.shape, dtype=real_dtype)
+    else:
+        out = total.astype(work)
+        _scaled(out, exponent - fraction_bits, out=out)
+        out = out.astype(real_dtype, copy=False)
+    if dtype.kind == "c":
+        return np.ascontiguousarray(out).view(dtype).reshape(out.shape[:-1])
+    return out
+
+
+def exact_sum(comm: MPI.Comm, arrays: Sequence[np.ndarray], axis: Optional[int],
+              all_reduce_sum: Callable[[List[np.ndarray]], List[np.ndarray]]
+              ) -> Tuple[List[np.ndarray], List[int]]:
+    """Reproducible SUM of ``arrays`` over ``comm``: element-wise (``axis=None``) or of
+    all rows along ``axis``. Returns the sums and each tensor's global summand count.
+
+    ``all_reduce_sum(list)`` must SUM a list of arrays across ranks (it may fuse
+    them); it is called once, with every tensor's integers and every integer tensor.
+    """
+    arrays = [np.asarray(a) for a in arrays]
+    exact = [i for i, a in enumerate(arrays) if is_exact_kind(a.dtype)]
+    rows = [1 if axis is None else a.shape[axis] for a in arrays]
+    # 1. agree on each tensor's exponent and summand count (one small Allgather)
+    mine = np.array([max_exponent(arrays[i]) for i in exact] + rows, dtype=np.int64)
+    table = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
+    comm.Allgather(mine, table)
+    exponents = table[:, :len(exact)].max(axis=0).tolist()
+    counts = table[:, len(exact):].sum(axis=0).tolist()
+    # 2. every tensor becomes the integers (or, for integer or non-finite tensors, the
+    #    local partial sums) that travel
+    position = {index: k for k, index in enumerate(exact)}
+    grids = {}
+    wires: List[np.ndarray] = []
+    for index, array in enumerate(arrays):
+        exponent = exponents[position[index]] if index in position else NONFINITE
+        if exponent != NONFINITE:
+            wire, bits = grid_for(array.dtype, exponent, counts[index])
+            grids[index] = (exponent, bits)
+            wires.append(to_fixed(array, exponent, bits, wire, axis))
+        else:
+            wires.append(array if axis is None else np.sum(array, axis=axis, dtype=array.dtype))
+    # 3. one integer SUM across ranks, then back to each dtype
+    totals = all_reduce_sum(wires)
+    results = []
+    for index, (array, total) in enumerate(zip(arrays, totals)):
+        if index in grids:
+            exponent, bits = grids[index]
+            results.append(from_fixed(np.asarray(total), exponent, bits, array.dtype))
+        else:
+            results.append(np.asarray(total))
+    return results, counts

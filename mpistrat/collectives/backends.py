@@ -25,7 +25,7 @@ from mpi4py import MPI
 from mpistrat.collectives.algorithms import allreduce, choose_algorithm
 from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import Deadline, wait_all
-from mpistrat.collectives.fusion import plan_buckets
+from mpistrat.collectives.packing import fused_all_reduce
 from mpistrat.collectives.options import CommunicationImplementation
 from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
 from mpistrat.runtime.devices import Capabilities, from_host, to_host
@@ -79,60 +79,12 @@ class HostMPI(Backend):
         return kind == "numpy"  # host arrays travel over MPI whatever the preference for devices
 
     def __init__(self):
-        self._plans: dict = {}
-
-    def _plan(self, wires, pack_bytes):
-        """Buckets with each member's (index, start, stop, shape), cached per signature.
-
-        Steady training loops reduce the same tensors every step, so they pay
-        one dictionary lookup instead of planning again.
-        """
-        key = (pack_bytes,) + tuple((w.dtype.char, w.shape) for w in wires)
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) > 1024:
-                self._plans.clear()
-            plan = []
-            for bucket in plan_buckets([w.nbytes for w in wires], [w.dtype.str for w in wires],
-                                       pack_bytes):
-                members, offset = [], 0
-                for index in bucket.indices:
-                    members.append((index, offset, offset + wires[index].size))
-                    offset += wires[index].size
-                plan.append((bucket, offset, members))
-            self._plans[key] = plan
-        return plan
+        self._plans: dict = {}  # packing.FusedPlan per signature
 
     def all_reduce(self, comm, arrays, op, pack_bytes, deadline):
-        size = comm.Get_size()
         if len(arrays) == 1:
-            return [self._reduce_one(comm, arrays[0], op, deadline, size)]
-        pool = default_pool()
-        originals = [a if type(a) is np.ndarray else np.asarray(a) for a in arrays]
-        wires = [_wire(a, op) for a in originals]
-        results: List = [None] * len(arrays)
-        for bucket, count, members in self._plan(wires, pack_bytes):
-            if bucket.fused:  # 1. pack the small tensors into one (pooled) buffer
-                buffer = pool.take((count,), wires[bucket.indices[0]].dtype)
-                np.concatenate([wires[i] for i in bucket.indices], axis=None, out=buffer)
-                send = buffer
-            else:             # or reduce one large tensor without a packing copy
-                send = wires[bucket.indices[0]]
-                buffer = pool.take(send.shape, send.dtype)
-            # 2. combine across ranks, with the algorithm that suits the size
-            allreduce(comm, send, buffer, op, deadline, choose_algorithm(buffer.nbytes, size))
-            # 3. finish MEAN, then hand out views of the result in the original dtypes
-            if op is ReduceOp.MEAN:
-                divide_for_mean(buffer, size)
-            flat = buffer.reshape(-1)
-            for index, start, stop in members:
-                original = originals[index]
-                piece = flat[start:stop].reshape(original.shape)
-                if wires[index].dtype is not original.dtype:  # travelled widened or as bytes
-                    piece = piece.view(np.bool_) if original.dtype.char == "?" \
-                        else piece.astype(original.dtype)
-                results[index] = piece
-        return results
+            return [self._reduce_one(comm, arrays[0], op, deadline, comm.Get_size())]
+        return fused_all_reduce(comm, arrays, op, pack_bytes, deadline, self._plans)
 
     def _reduce_one(self, comm, array, op, deadline, size):
         """One tensor: no plan, no packing (the common case of scalars and large tensors)."""

@@ -307,6 +307,8 @@ def _check_destinations(destinations: Any, method: str) -> None:
 
 def _local(value: Any) -> Any:
     """This rank's component of every distributed value in a nest."""
+    if type(value) in (list, tuple) and set(map(type, value)) <= _NDARRAY_ONLY:
+        return value  # a plain list of arrays (the common case): nothing to look into
     if isinstance(value, (dict, list, tuple)):
         if any(isinstance(x, DistributedValues) for x in nest.flatten(value)):
             return nest.map_structure(local_component, value)
@@ -314,6 +316,7 @@ def _local(value: Any) -> Any:
     return local_component(value)
 
 
+_NDARRAY_ONLY = {np.ndarray}
 _INPUT: dict = {}
 
 

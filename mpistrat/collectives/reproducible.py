@@ -135,13 +135,9 @@ def to_fixed(array: np.ndarray, exponent: int, fraction_bits: int, wire,
     pool = default_pool()
     scaled = _scaled(real, fraction_bits - exponent, out=pool.take(real.shape, real.dtype))
     np.rint(scaled, out=scaled)
-    if axis is None:
-        fixed = np.empty(real.shape, dtype=wire)
-        np.copyto(fixed, scaled, casting="unsafe")
-        return fixed
-    fixed = pool.take(real.shape, wire)
+    fixed = pool.take(real.shape, wire)  # pooled: reused once the caller drops it
     np.copyto(fixed, scaled, casting="unsafe")
-    return np.sum(fixed, axis=axis, dtype=wire)
+    return fixed if axis is None else np.sum(fixed, axis=axis, dtype=wire)
 
 
 def from_fixed(total: np.ndarray, exponent: int, fraction_bits: int, dtype) -> np.ndarray:

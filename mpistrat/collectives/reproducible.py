@@ -11,8 +11,8 @@ exactly, as integers, on a fixed-point grid that every rank agrees on:
    gives every rank the global exponent ``E`` (``max|x| < 2**E``) and the
    global summand count ``M``: both independent of how the data is split.
 2. ``grid_for(dtype, E, M)`` picks the integer type and the fraction bits
-   ``F``: each value ``x`` becomes ``q = rint(x * 2**(F-E))`` with
-   ``|q| <= 2**F``, and ``M`` of them add up without overflow.
+   ``F``: each value ``x`` becomes ``q = trunc(x * 2**(F-E))`` with
+   ``|q| < 2**F``, and ``M`` of them add up without overflow.
 3. ``to_fixed`` (summing rows along the axis in integers), an integer SUM
    across ranks (any algorithm, any fusion: integer addition is exact and
    associative), then ``from_fixed``: ``total * 2**(E-F)`` rounded once to
@@ -21,8 +21,8 @@ exactly, as integers, on a fixed-point grid that every rank agrees on:
 Every step is a function of each element alone or an exact integer sum, so
 the result is bitwise identical at any rank count, split, algorithm or order.
 
-Accuracy: each value is rounded to the grid ``2**(E-F)``, an error of at most
-half a grid step, so ``|result - exact sum| <= M * 2**(E-F-1)`` plus the final
+Accuracy: each value is cut to the grid ``2**(E-F)`` (toward zero), an error
+below one grid step, so ``|result - exact sum| < M * 2**(E-F)`` plus the final
 rounding to the dtype (half an ulp of the result). ``F`` keeps at least the
 significand of the largest value (24 bits for float32, 11 for float16,
 53 for float64 while ``M < 1024``; beyond that float64 keeps ``63 - bits(M)``):
@@ -112,9 +112,9 @@ def grid_for(dtype, exponent: int, count: int) -> Tuple[np.dtype, int]:
     return np.dtype(np.int64), 63 - headroom
 
 
-def _scaled(array: np.ndarray, shift: int, out: Optional[np.ndarray] = None) -> np.ndarray:
-    """``array * 2**shift``, exact while the result is normal (ldexp when the power
-    itself does not fit the dtype)."""
+def _scaled(array: np.ndarray, shift: int, out: np.ndarray) -> np.ndarray:
+    """``array * 2**shift`` in place of ``out`` (same float dtype): exact while the product
+    is normal; ``ldexp`` when the power itself does not fit the dtype."""
     info = np.finfo(array.dtype)
     if info.minexp <= shift < info.maxexp:
         return np.multiply(array, array.dtype.type(2.0 ** shift), out=out)
@@ -123,7 +123,11 @@ def _scaled(array: np.ndarray, shift: int, out: Optional[np.ndarray] = None) -> 
 
 def to_fixed(array: np.ndarray, exponent: int, fraction_bits: int, wire,
              axis: Optional[int] = None) -> np.ndarray:
-    """The integers ``rint(x * 2**(F-E))``; with ``axis``, summed along it (exactly)."""
+    """The integers ``trunc(x * 2**(F-E))``; with ``axis``, summed along it (exactly).
+
+    Two passes over pooled memory: scale (exact), then cast to the integer type
+    (truncation toward zero, a function of each value alone).
+    """
     array = np.asarray(array)
     if axis is not None:
         axis = axis % max(array.ndim, 1)
@@ -134,9 +138,9 @@ def to_fixed(array: np.ndarray, exponent: int, fraction_bits: int, wire,
         return np.zeros(tuple(int(d) for d in shape), dtype=wire)
     pool = default_pool()
     scaled = _scaled(real, fraction_bits - exponent, out=pool.take(real.shape, real.dtype))
-    np.rint(scaled, out=scaled)
     fixed = pool.take(real.shape, wire)  # pooled: reused once the caller drops it
     np.copyto(fixed, scaled, casting="unsafe")
+    del scaled
     return fixed if axis is None else np.sum(fixed, axis=axis, dtype=wire)
 
 
@@ -148,7 +152,8 @@ def from_fixed(total: np.ndarray, exponent: int, fraction_bits: int, dtype) -> n
     if exponent == ZERO:
         out = np.zeros(total.shape, dtype=real_dtype)
     else:
-        out = total.astype(work)
+        out = default_pool().take(total.shape, work)
+        np.copyto(out, total, casting="unsafe")  # the one rounding (exact for int32 -> f64)
         _scaled(out, exponent - fraction_bits, out=out)
         out = out.astype(real_dtype, copy=False)
     if dtype.kind == "c":

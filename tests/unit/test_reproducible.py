@@ -63,7 +63,7 @@ def test_accuracy_is_within_the_documented_bound(dtype):
     exact = np.array([math.fsum(column) for column in rows.astype(np.float64).T])  # exact
     e = max_exponent(rows)
     _, bits = grid_for(dtype, e, 50)
-    bound = 50 * 2.0 ** (e - bits - 1) + np.abs(exact) * np.finfo(dtype).eps
+    bound = 50 * 2.0 ** (e - bits) + np.abs(exact) * np.finfo(dtype).eps
     assert np.all(np.abs(got - exact) <= bound)
 
 

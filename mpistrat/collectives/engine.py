@@ -209,10 +209,17 @@ class CollectiveEngine:
             return False
         return self.options.timeout_seconds is None and self.default_timeout is None
 
+    def _trace_fold(self, what: str, elements: int, kind: str = "numpy") -> None:
+        log.debug("#%d %s: 1 tensors, %d elements, timeout=None", self._calls, what, elements)
+        log.debug("#%d %s: 1 %s tensors via %s (inside the validation probe)", self._calls, what,
+                  kind, _HOST_BACKEND.name)
+
     def _fold_scalar(self, op: ReduceOp, value: float) -> float:
         if self._broken:
             raise AbortedError(f"all_reduce refused on rank {self.rank}: {self._broken}")
         self._calls += 1
+        if self._trace:
+            self._trace_fold(_ALL_REDUCE_WHAT[op], 1)
         total = self._probe.sum_scalar(_ALL_REDUCE_WHAT[op], _SCALAR_SIGNATURE, value)
         if timeline.ON:
             self._backend_name = "validation-probe"
@@ -220,6 +227,8 @@ class CollectiveEngine:
 
     def _fold_small(self, op: ReduceOp, array, signature: tuple):
         _, _, deadline = self._prologue("all_reduce", None)
+        if self._trace:
+            self._trace_fold(_ALL_REDUCE_WHAT[op], array.size, array_kind(array))
         host = array if type(array) is np.ndarray else to_host(array)
         sums = self._probe.sum_with(_ALL_REDUCE_WHAT[op], signature, deadline, host)
         out = sums.reshape(host.shape).copy()

@@ -190,14 +190,17 @@ def flush(path: Optional[str] = None, comm: Optional[MPI.Comm] = None,
           timeout: float = 60.0) -> Optional[str]:
     """Merge every rank's events into ``path`` (default: ``MPISTRAT_TIMELINE``) on rank 0.
 
-    Collective over ``comm`` (default ``COMM_WORLD``). Returns the path written
+    Collective over ``comm`` (default: the library's private communicator, or
+    ``COMM_WORLD`` if no strategy was ever made). Returns the path written
     on rank 0 (``None`` elsewhere). If some rank does not arrive within
     ``timeout`` seconds, each rank writes its own ``path.rank<r>.json`` instead.
     """
     path = path or _path
     if path is None:
         raise ValueError(f"timeline.flush: no path given and {PATH_ENV} is not set")
-    comm = comm or MPI.COMM_WORLD
+    if comm is None:
+        from mpistrat.runtime import world as _world  # made by the first strategy, if any
+        comm = _world._WORLD.comm if _world._WORLD is not None else MPI.COMM_WORLD
     rank = comm.Get_rank()
     with _lock:
         mine = list(_events)

@@ -111,9 +111,9 @@ class DistributedIterator:
     def _advance(self) -> PerReplica:
         element = next(self._local, _END)
         if self._static:  # full batches only: stop when any rank has none left
-            more = self._engine.all_reduce(np.array([element is not _END], np.int32),
-                                           ReduceOp.MIN)
-            if not more[0]:
+            # ranks without a batch, counted by a float SUM: it travels inside the
+            # validation probe (one collective per step)
+            if self._engine.all_reduce(float(element is _END), ReduceOp.SUM) > 0:
                 raise StopIteration
             self._steps += 1
             return _regroup(*element, self._replica_ids) if isinstance(element, _Prepared) \
@@ -121,8 +121,8 @@ class DistributedIterator:
         if element is not _END:
             self._template = element
         needs = element is _END and self._template is None
-        flags = self._engine.all_reduce(
-            np.array([element is not _END, needs], dtype=np.int32), ReduceOp.MAX)
+        flags = self._engine.all_reduce(  # counts of ranks with data / needing the layout
+            np.array([element is not _END, needs], dtype=np.float64), ReduceOp.SUM)
         if not flags[0]:
             raise StopIteration  # no rank has data left: everyone stops on this step
         if flags[1]:  # a rank that never had data learns the batch layout from one that did

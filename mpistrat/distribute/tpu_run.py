@@ -15,9 +15,8 @@ come back out and replace the stored arrays. Outputs are ``PerReplica``
 values over the local devices. Before running, the ranks agree on the
 signature (one small MPI all-reduce), so a rank with other shapes gets an
 error naming it instead of a hang in XLA's collectives; a step that fails to
-trace on any rank raises on every rank. A compiled program without any
-cross-replica collective (seen in its StableHLO) cannot hang on a mismatch, so
-it is dispatched first and runs while the probe completes.
+trace on any rank raises on every rank. Outputs are ``DevicePerReplica``
+values: split per device only when read.
 """
 
 from typing import Any, Callable, Dict, List, Tuple
@@ -37,10 +36,6 @@ from mpistrat.runtime.devices import array_kind
 __all__ = ["StepCache", "DevicePerReplica"]
 
 _NUMBERS = (bool, int, float, complex, np.generic, np.ndarray)
-# StableHLO operations that move data between replicas: a program without any of them runs
-# on each host alone, so it may start before the ranks' signature probe completes.
-_COLLECTIVE_OPS = ("all_reduce", "all_gather", "all_to_all", "reduce_scatter",
-                   "collective_permute", "collective_broadcast")
 
 
 def _is_leaf(x: Any) -> bool:
@@ -107,7 +102,6 @@ class _Step:
         self.out_tree = None
         self.scalar_outputs: List[bool] = []
         self.written: List[int] = []
-        self.local_only = False  # True when the program has no cross-replica collective
 
 
 class StepCache:
@@ -164,19 +158,15 @@ class StepCache:
         inputs = ([v._device_array if v._device_array is not None else
                    jax_bridge.global_from_local(list(v.values)) for v in per_replica],
                   replicated, variable_values(variables))  # while the probe travels
+        agreed()  # raises on every rank if any rank passed other shapes
         step = self._steps.get(key)
-        if step is not None and step.local_only:
-            # No cross-host traffic in this program: it runs while the probe completes
-            # (a mismatch still raises on every rank, before any variable is written).
-            outputs, written = step.program(*inputs)
-            agreed()
-        else:
-            agreed()  # raises on every rank if any rank passed other shapes
-            if step is None:
-                scalars = [not shape for (_, shape), k in zip(signature, kinds) if k == "p"]
-                step = self._trace(fn, treedef, kinds, scalars, statics, variables, inputs, what)
-                self._steps[key] = step
-            outputs, written = step.program(*inputs)
+        if step is None:
+            scalars = [not shape for (_, shape), k in zip(signature, kinds) if k == "p"]
+            step = self._trace(fn, treedef, kinds, scalars, statics, variables, inputs, what)
+            self._steps[key] = step
+        # (Dispatching a program without collectives before the probe completes was tried and
+        # measured slower here: MPI's busy wait then competes with XLA's threads for the cores.)
+        outputs, written = step.program(*inputs)
         jax.block_until_ready((outputs, written))  # many steps in flight can stall gloo
         store_written(variables, step.written, written)
         ids = extended.local_replica_ids
@@ -215,9 +205,7 @@ class StepCache:
         error = None
         step.program = jax.jit(mapped)
         try:
-            lowered = step.program.lower(*inputs)  # traces now, so every rank learns of a
-            step.local_only = jax.process_count() == 1 or not any(   # failure;
-                op in lowered.as_text() for op in _COLLECTIVE_OPS)
+            step.program.lower(*inputs)  # traces now, so every rank learns of a failure;
         except Exception as err:  # noqa: BLE001 -- every rank must learn of it
             error = err
         self._raise_if_any_failed(error, what)  # the call below reuses this trace

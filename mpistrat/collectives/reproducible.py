@@ -10,9 +10,12 @@ exactly, as integers, on a fixed-point grid that every rank agrees on:
    rows along the reduced axis). One ``Allgather`` of these small integers
    gives every rank the global exponent ``E`` (``max|x| < 2**E``) and the
    global summand count ``M``: both independent of how the data is split.
-2. ``grid_for(dtype, E, M)`` picks the integer type and the fraction bits
+2. ``grid_for(dtype, E, M)`` picks the wire type and the fraction bits
    ``F``: each value ``x`` becomes ``q = trunc(x * 2**(F-E))`` with
-   ``|q| < 2**F``, and ``M`` of them add up without overflow.
+   ``|q| < 2**F``, and ``M`` of them add up without overflow. For up to 7
+   summands of float32/float64 the wire is the float itself: ``x`` is rounded
+   onto the grid ``2**(E-F)`` with ``(x + C) - C`` (``C = 1.5 * 2**(E-F+p-1)``),
+   and sums of such values are exact in the float while ``M * 2**E < 2**(E-F+p)``.
 3. ``to_fixed`` (summing rows along the axis in integers), an integer SUM
    across ranks (any algorithm, any fusion: integer addition is exact and
    associative), then ``from_fixed``: ``total * 2**(E-F)`` rounded once to
@@ -21,13 +24,16 @@ exactly, as integers, on a fixed-point grid that every rank agrees on:
 Every step is a function of each element alone or an exact integer sum, so
 the result is bitwise identical at any rank count, split, algorithm or order.
 
-Accuracy: each value is cut to the grid ``2**(E-F)`` (toward zero), an error
-below one grid step, so ``|result - exact sum| < M * 2**(E-F)`` plus the final
-rounding to the dtype (half an ulp of the result). ``F`` keeps at least the
-significand of the largest value (24 bits for float32, 11 for float16,
-53 for float64 while ``M < 1024``; beyond that float64 keeps ``63 - bits(M)``):
-values far smaller than the largest lose low bits, as they would in any sum
-with it. Integer tensors are summed as integers (already exact). NaN or
+Accuracy: each value is cut to the grid ``2**(E-F)`` (toward zero; to nearest
+on the float wire), an error below one grid step, so
+``|result - exact sum| < M * 2**(E-F)`` plus, on the integer wire, the final
+rounding to the dtype (half an ulp of the result). On the integer wire ``F``
+keeps at least the significand of the largest value (24 bits for float32, 11
+for float16, 53 for float64 while ``M < 1024``; beyond that float64 keeps
+``63 - bits(M)``); on the float wire (up to 7 summands) ``F`` is 21-22 bits
+(float32) or 50-51 (float64), so even the largest values may lose their last
+2 or 3 bits, about what one or two float additions lose. Values far smaller
+than the largest lose low bits, as they would in any sum with it. Integer tensors are summed as integers (already exact). NaN or
 infinity anywhere in a tensor makes that tensor fall back to the ordinary
 float sum (the result is NaN or infinite either way)::
 
@@ -93,13 +99,19 @@ def max_exponent(array: np.ndarray) -> int:
 
 
 def grid_for(dtype, exponent: int, count: int) -> Tuple[np.dtype, int]:
-    """``(integer dtype, fraction bits F)`` for ``count`` summands below ``2**exponent``.
+    """``(wire dtype, fraction bits F)`` for ``count`` summands below ``2**exponent``.
 
-    int32 when it keeps the full significand of the largest value (float16,
-    float32 with up to 127 summands), else int64::
+    Up to 7 summands of float32 or float64 (an element-wise all-reduce over a
+    few ranks) stay floats: values rounded to ``F = p - max(bits(count), 2)``
+    bits below the exponent (``p``: the significand, 24 or 53) add up exactly
+    in the float itself, with no conversion (``F`` 21-22 or 50-51). Otherwise
+    integers: int32 when it keeps the full significand of the largest value
+    (float16, float32 with up to 127 summands), else int64::
 
         >>> grid_for(np.float32, 0, 4)
-        (dtype('int32'), 28)
+        (dtype('float32'), 21)
+        >>> grid_for(np.float32, 0, 100)
+        (dtype('int32'), 24)
         >>> grid_for(np.float32, 0, 1000)
         (dtype('int64'), 53)
     """
@@ -107,6 +119,13 @@ def grid_for(dtype, exponent: int, count: int) -> Tuple[np.dtype, int]:
     itemsize = dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize
     need = _SIGNIFICAND.get(itemsize, 53)
     headroom = max(int(count), 1).bit_length()  # count < 2**headroom
+    if itemsize >= 4 and headroom <= 3:
+        real = np.dtype(f"f{itemsize}")
+        bits = need - max(headroom, 2)
+        step = exponent - bits  # the magic constant 1.5 * 2**(step + p - 1) must be normal
+        info = np.finfo(real)
+        if info.minexp <= step + need - 1 and step + need < info.maxexp:
+            return real, bits
     if 31 - headroom >= need:
         return np.dtype(np.int32), 31 - headroom
     return np.dtype(np.int64), 63 - headroom
@@ -137,6 +156,13 @@ def to_fixed(array: np.ndarray, exponent: int, fraction_bits: int, wire,
         shape = real.shape if axis is None else np.delete(real.shape, axis % max(real.ndim, 1))
         return np.zeros(tuple(int(d) for d in shape), dtype=wire)
     pool = default_pool()
+    if wire.kind == "f":  # round onto the grid in the float itself: (x + C) - C
+        step = exponent - fraction_bits
+        magic = wire.type(1.5 * 2.0 ** (step + _SIGNIFICAND[wire.itemsize] - 1))
+        grid = pool.take(real.shape, wire)
+        np.add(real, magic, out=grid)
+        np.subtract(grid, magic, out=grid)
+        return grid if axis is None else np.sum(grid, axis=axis, dtype=wire)
     scaled = _scaled(real, fraction_bits - exponent, out=pool.take(real.shape, real.dtype))
     fixed = pool.take(real.shape, wire)  # pooled: reused once the caller drops it
     np.copyto(fixed, scaled, casting="unsafe")
@@ -151,6 +177,8 @@ def from_fixed(total: np.ndarray, exponent: int, fraction_bits: int, dtype) -> n
     work = np.dtype(np.float32) if real_dtype.itemsize < 4 else real_dtype
     if exponent == ZERO:
         out = np.zeros(total.shape, dtype=real_dtype)
+    elif total.dtype.kind == "f":  # summed on the grid in the float itself: already exact
+        out = total.astype(real_dtype, copy=False)
     else:
         out = default_pool().take(total.shape, work)
         np.copyto(out, total, casting="unsafe")  # the one rounding (exact for int32 -> f64)

@@ -27,16 +27,36 @@ def test_max_exponent_bounds_the_largest_magnitude():
     assert max_exponent(np.array([3 + 4j])) == 3              # parts, not modulus
 
 
-@pytest.mark.parametrize("dtype,count,wire", [(np.float32, 2, np.int32), (np.float32, 127, np.int32),
-                                              (np.float32, 128, np.int64), (np.float16, 10**5, np.int32),
-                                              (np.float64, 4, np.int64)])
+@pytest.mark.parametrize("dtype,count,wire", [
+    (np.float32, 2, np.float32), (np.float32, 7, np.float32), (np.float32, 8, np.int32),
+    (np.float32, 127, np.int32), (np.float32, 128, np.int64), (np.float16, 10**5, np.int32),
+    (np.float64, 4, np.float64), (np.float64, 8, np.int64)])
 def test_grid_never_overflows_and_keeps_the_significand(dtype, count, wire):
     got, bits = grid_for(dtype, 5, count)
     assert got == np.dtype(wire)
-    limit = np.iinfo(got).max
-    assert count * (1 << bits) <= limit                       # M summands of |q| <= 2**F fit
     significand = {np.float16: 11, np.float32: 24, np.float64: 53}[dtype]
-    assert bits >= min(significand, 63 - count.bit_length())
+    if got.kind == "f":   # sums of grid values stay exact in the float
+        assert count < 2 ** (significand - bits) and bits >= significand - 3
+    else:
+        assert count * (1 << bits) <= np.iinfo(got).max  # M summands of |q| <= 2**F fit
+        assert bits >= min(significand, 63 - count.bit_length())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_float_wire_sums_exactly_in_any_order(dtype):
+    rng = np.random.default_rng(11)
+    rows = (rng.standard_normal((4, 1000)) * np.exp(rng.uniform(-30, 30, (4, 1000)))).astype(dtype)
+    e = max_exponent(rows)
+    wire, bits = grid_for(dtype, e, 4)
+    assert wire == np.dtype(dtype)
+    grid = [to_fixed(r, e, bits, wire) for r in rows]
+    exact = np.array([math.fsum(col) for col in np.array(grid, np.float64).T])
+    orders = [grid[0] + grid[1] + grid[2] + grid[3], (grid[3] + grid[1]) + (grid[2] + grid[0]),
+              to_fixed(rows[::-1], e, bits, wire, axis=0)]
+    for total in orders:
+        out = from_fixed(total, e, bits, dtype)
+        assert out.tobytes() == orders[0].tobytes()
+        np.testing.assert_array_equal(out.astype(np.float64), exact)  # no rounding at all
 
 
 def test_sum_is_independent_of_order_and_split():

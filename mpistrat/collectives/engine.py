@@ -267,7 +267,7 @@ class CollectiveEngine:
             return self._run(what, wires, opts, lambda backend, idx: backend.all_reduce(
                 self.comm, [wires[i] for i in idx], ReduceOp.SUM, opts.pack_bytes, deadline))
 
-        sums, counts = self._guard(exact_sum, self.comm, hosts, axis, sum_across)
+        sums, counts = self._guard(exact_sum, self.comm, hosts, axis, sum_across, deadline)
         if op is ReduceOp.MEAN:
             sums = [_divided(s, c) for s, c in zip(sums, counts)]
         if kinds != {"numpy"}:

@@ -53,6 +53,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.collectives.buffer_pool import default_pool
+from mpistrat.collectives.deadline import Deadline, wait_all
 
 __all__ = ["DETERMINISTIC_ENV", "deterministic_default", "ZERO", "NONFINITE", "max_exponent", "grid_for", "to_fixed", "from_fixed",
            "exact_sum", "is_exact_kind"]
@@ -190,8 +191,8 @@ def from_fixed(total: np.ndarray, exponent: int, fraction_bits: int, dtype) -> n
 
 
 def exact_sum(comm: MPI.Comm, arrays: Sequence[np.ndarray], axis: Optional[int],
-              all_reduce_sum: Callable[[List[np.ndarray]], List[np.ndarray]]
-              ) -> Tuple[List[np.ndarray], List[int]]:
+              all_reduce_sum: Callable[[List[np.ndarray]], List[np.ndarray]],
+              deadline: Optional[Deadline] = None) -> Tuple[List[np.ndarray], List[int]]:
     """Reproducible SUM of ``arrays`` over ``comm``: element-wise (``axis=None``) or of
     all rows along ``axis``. Returns the sums and each tensor's global summand count.
 
@@ -204,7 +205,10 @@ def exact_sum(comm: MPI.Comm, arrays: Sequence[np.ndarray], axis: Optional[int],
     # 1. agree on each tensor's exponent and summand count (one small Allgather)
     mine = np.array([max_exponent(arrays[i]) for i in exact] + rows, dtype=np.int64)
     table = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
-    comm.Allgather(mine, table)
+    if deadline is None:
+        comm.Allgather(mine, table)
+    else:  # a timed collective: the non-blocking call, as the engine's own
+        wait_all([comm.Iallgather(mine, table)], deadline, "deterministic sum (exponents)")
     exponents = table[:, :len(exact)].max(axis=0).tolist()
     counts = table[:, len(exact):].sum(axis=0).tolist()
     # 2. every tensor becomes the integers (or, for integer or non-finite tensors, the

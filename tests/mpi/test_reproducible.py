@@ -136,3 +136,12 @@ def test_ranks_that_disagree_on_determinism_raise_together(world):
     engine = CollectiveEngine(world.comm)
     with pytest.raises(InvalidArgumentError, match="different collectives"):
         engine.all_reduce(np.ones(3), "SUM", options)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_timed_deterministic_sum(world):
+    engine = CollectiveEngine(world.comm, ms.CommunicationOptions(deterministic=True,
+                                                                  timeout_seconds=30.0))
+    every = np.stack([rank_values(r)[:500] for r in range(world.size)])
+    out = engine.all_reduce(rank_values(world.rank)[:500], "SUM")
+    assert out.tobytes() == reference_sum(every).tobytes()

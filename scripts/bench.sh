@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 mkdir -p out/bench
 exec > >(tee out/bench/results.jsonl) 2>&1
 scripts/mpirun --limit 900 -n 2 .venv/bin/python benchmarks/collectives.py
+scripts/mpirun --limit 900 -n 2 .venv/bin/python benchmarks/percall.py   # median ratios
 for n in 1 2 4; do
     scripts/mpirun --limit 900 -n "$n" .venv/bin/python benchmarks/checkpoint.py --gib 1.0
 done
@@ -17,6 +18,8 @@ for n in 1 2 4; do
 done
 XLA_FLAGS=--xla_force_host_platform_device_count=4 \
     scripts/mpirun --limit 900 -n 2 .venv/bin/python benchmarks/tpu_bridge.py | grep -av '^\[Gloo\]'
+XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+    scripts/mpirun --limit 900 -n 2 .venv/bin/python benchmarks/tpu_percall.py | grep -av '^\[Gloo\]'
 benchmarks/hosts.sh   # 2 hosts x 2 ranks on the namespace cluster, unshaped and at 1gbit
 # Hierarchical vs flat ring vs raw MPI.Allreduce: simulated nodes here; the launcher can come
 # from outside (MPISTRAT_BENCH_LAUNCH, e.g. the namespace cluster's mpirun with a hostfile).

@@ -49,10 +49,20 @@ ranks_run() {
     fi
 }
 
+# tests/mpi/test_reproducible.py writes the digest of a deterministic sum of one global
+# batch at each width; they must all be the same bits.
+export MPISTRAT_REPRO_DIR=$PWD/$logs/reproducible
 for n in 1 2 3 4; do
     echo "=== multi-rank tests at $n ranks"
     ranks_run "np$n" "$n" tests/mpi
 done
+digests=$(cat "$MPISTRAT_REPRO_DIR"/*.np[1-4].sha256 2>/dev/null | sort | uniq -c)
+echo "=== reproducible sums across 1-4 ranks:"; echo "$digests"
+if [ "$(ls "$MPISTRAT_REPRO_DIR"/*.np[1-4].sha256 2>/dev/null | wc -l)" -ne 4 ] \
+        || [ "$(wc -l <<<"$digests")" -ne 1 ]; then
+    echo "reproducible sums differ between rank counts (or a run wrote no digest)"
+    failed_runs="$failed_runs reproducible"
+fi
 
 # Simulated multi-node layouts (MPISTRAT_RANKS_PER_NODE): the hierarchical all-reduce chosen by
 # topology at 2 nodes x 2 ranks, 3 nodes x 1 rank, and nodes of 3 + 1 ranks.

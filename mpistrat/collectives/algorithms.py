@@ -33,6 +33,7 @@ from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.partition import even_ranges
+from mpistrat.runtime import timeline
 
 __all__ = ["ring_chunks", "choose_algorithm", "explain_algorithm", "allreduce",
            "ring_reduce_scatter", "ring_all_gather",
@@ -111,8 +112,18 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
               deadline: Optional[Deadline], algorithm: str) -> None:
     """Combine ``send`` across ``comm`` into ``recv`` (both contiguous, same shape).
 
-    ``send`` may be ``recv`` itself (in place).
+    ``send`` may be ``recv`` itself (in place). Each call is one bucket span
+    of the timeline when it records.
     """
+    if timeline.ON:
+        start = timeline.now()
+        _allreduce(comm, send, recv, op, deadline, algorithm)
+        timeline.note_algorithm(algorithm, recv.nbytes, start)
+        return
+    _allreduce(comm, send, recv, op, deadline, algorithm)
+
+
+def _allreduce(comm, send, recv, op, deadline, algorithm):
     if algorithm == "ring":
         _ring_allreduce(comm, send, recv, op, deadline)
         return

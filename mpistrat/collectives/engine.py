@@ -14,6 +14,7 @@ when ``MPISTRAT_TRACE=1``, runs, and rebuilds the structure::
 """
 
 import logging
+import operator
 import os
 import sys
 from typing import Any, Callable, Dict, List, Optional
@@ -25,11 +26,14 @@ from mpistrat import nest
 from mpistrat.collectives.backends import select_backend
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.options import CommunicationImplementation, CommunicationOptions
-from mpistrat.collectives.reduce_op import ReduceOp
+from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
+from mpistrat.collectives.reproducible import deterministic_default, exact_sum
 from mpistrat.collectives.topology import comm_topology
-from mpistrat.collectives.validation import agree, start_agree, validation_enabled
+from mpistrat.collectives.validation import (PAYLOAD_SLOTS, Probe, agree, start_agree,
+                                             validation_enabled)
 from mpistrat.errors import AbortedError, DeadlineExceededError, InvalidArgumentError
-from mpistrat.runtime.devices import Capabilities, array_kind, capabilities
+from mpistrat.runtime import timeline
+from mpistrat.runtime.devices import Capabilities, array_kind, capabilities, from_host, to_host
 
 __all__ = ["CollectiveEngine", "default_timeout"]
 
@@ -61,18 +65,30 @@ def _as_array(value: Any):
     return value if array_kind(value) != "numpy" else np.asarray(value)
 
 
+_DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
+_NDARRAY_ONLY = {np.ndarray}
+_FLOAT64 = np.dtype(np.float64)
+
+
 def _signature(arrays) -> tuple:
-    """``(dtype, shape)`` per tensor; dtypes as NumPy's short codes (cheap to build), with the
-    array kind for device arrays (ranks that mix NumPy and CuPy would pick different backends)."""
-    return tuple((_dtype_key(a), tuple(a.shape)) for a in arrays)
+    """``(dtype, shape)`` per tensor, built in C (``map``): the key of every cache. Device
+    arrays also carry their kind (ranks that mix NumPy and CuPy would pick different backends)."""
+    signature = tuple(map(_DTYPE_SHAPE, arrays))
+    if set(map(type, arrays)) <= _NDARRAY_ONLY:
+        return signature
+    return tuple((dtype if type(a) is np.ndarray else f"{np.dtype(dtype).str}@{array_kind(a)}",
+                  tuple(shape)) for a, (dtype, shape) in zip(arrays, signature))
 
 
 def _dtype_key(array) -> str:
+    """A dtype as NumPy's short code, with the kind of a device array."""
     return array.dtype.str if type(array) is np.ndarray else \
         f"{array.dtype.str}@{array_kind(array)}".replace("@numpy", "")
 
 
 _ALL_REDUCE_WHAT = {op: f"all_reduce {op.name}" for op in ReduceOp}
+_EXACT = (ReduceOp.SUM, ReduceOp.MEAN)
+_ENGINES = [0]  # engines made so far: ids that match across ranks (made in the same order)
 
 
 class CollectiveEngine:
@@ -92,6 +108,10 @@ class CollectiveEngine:
         self._trace = log.isEnabledFor(logging.DEBUG)
         self._broken: Optional[str] = None
         self._calls = 0
+        self.deterministic = deterministic_default()  # MPISTRAT_DETERMINISTIC, read once
+        self._id = _ENGINES[0] = _ENGINES[0] + 1
+        self._backend_name = ""
+        self._probe = Probe(comm)
 
     # -- the common prologue -------------------------------------------------
     def _prologue(self, what: str, options: Optional[CommunicationOptions]):
@@ -123,6 +143,8 @@ class CollectiveEngine:
     def _run(self, what, arrays, opts, call):
         """Group ``arrays`` by kind, run ``call(backend, indices)`` per group."""
         if all(type(a) is np.ndarray for a in arrays):  # the common case: one host group
+            if timeline.ON:
+                self._backend_name = _HOST_BACKEND.name
             if self._trace:
                 log.debug("#%d %s: %d numpy tensors via %s", self._calls, what, len(arrays),
                           _HOST_BACKEND.name)
@@ -134,6 +156,8 @@ class CollectiveEngine:
         for kind, indices in groups.items():
             backend = _HOST_BACKEND if kind == "numpy" else select_backend(
                 kind, opts.implementation, capabilities(), comm_topology(self.comm))
+            if timeline.ON:
+                self._backend_name = backend.name
             if self._trace:
                 log.debug("#%d %s: %d %s tensors via %s", self._calls, what, len(indices), kind,
                           backend.name)
@@ -143,15 +167,130 @@ class CollectiveEngine:
 
     # -- collectives ---------------------------------------------------------
     def all_reduce(self, value: Any, op, options: Optional[CommunicationOptions] = None) -> Any:
-        """Combine ``value`` (a nest of arrays) element-wise over all ranks."""
+        """Combine ``value`` (a nest of arrays) element-wise over all ranks.
+
+        With ``CommunicationOptions(deterministic=True)`` (or
+        ``MPISTRAT_DETERMINISTIC=1``) SUM and MEAN are bitwise reproducible
+        (``collectives/reproducible.py``).
+        """
+        start = timeline.begin() if timeline.ON else None
         op = ReduceOp.from_any(op)
-        nested = isinstance(value, (dict, list, tuple))
-        arrays = [_as_array(v) for v in nest.flatten(value)] if nested else [_as_array(value)]
-        what = _ALL_REDUCE_WHAT[op]
-        opts, deadline = self._begin(what, _signature(arrays), options)
-        results = self._run(what, arrays, opts, lambda backend, idx: backend.all_reduce(
-            self.comm, [arrays[i] for i in idx], op, opts, deadline))
+        kind = type(value)
+        if kind is float and options is None and op in _EXACT and self._folds():
+            result = np.array(self._fold_scalar(op, value))  # validated and summed in one call
+            if start is not None:
+                self._record(_ALL_REDUCE_WHAT[op], start, (result,))
+            return result
+        flat = (kind is list or kind is tuple) and set(map(type, value)) <= _NDARRAY_ONLY
+        nested = not flat and isinstance(value, (dict, list, tuple))
+        if flat:  # a plain list or tuple of NumPy arrays: no flattening, no conversion
+            arrays = value
+        else:
+            arrays = [_as_array(v) for v in nest.flatten(value)] if nested else [_as_array(value)]
+        if op in _EXACT and self.is_deterministic(options):
+            results = self._exact(arrays, op, None, options)[0]
+        else:
+            what = _ALL_REDUCE_WHAT[op]
+            signature = _signature(arrays)
+            if len(arrays) == 1 and op in _EXACT and self._folds(options) and \
+                    signature[0][0] == _FLOAT64 and arrays[0].size <= PAYLOAD_SLOTS:
+                results = [self._fold_small(op, arrays[0], signature)]
+            else:
+                opts, deadline = self._begin(what, signature, options)
+                if flat:
+                    if timeline.ON:
+                        self._backend_name = _HOST_BACKEND.name
+                    results = self._guard(_HOST_BACKEND.all_reduce, self.comm, arrays, op,
+                                          opts, deadline)
+                else:
+                    results = self._run(what, arrays, opts, lambda backend, idx: backend.all_reduce(
+                        self.comm, [arrays[i] for i in idx], op, opts, deadline))
+        if start is not None:
+            self._record(_ALL_REDUCE_WHAT[op], start, arrays)
+        if flat:
+            return results if kind is list else tuple(results)
         return nest.pack_sequence_as(value, results) if nested else results[0]
+
+    # -- the validated small SUM: the probe carries the values (validation.Probe) --------
+    def _folds(self, options: Optional[CommunicationOptions] = None) -> bool:
+        """Whether a small float64 SUM/MEAN rides with the validation probe: validated,
+        several ranks, no deadline, not deterministic (all part of what ranks agree on)."""
+        if not self.validate or self.size == 1 or self.deterministic or self.options.deterministic:
+            return False
+        if options is not None and (options.deterministic or options.timeout_seconds is not None):
+            return False
+        return self.options.timeout_seconds is None and self.default_timeout is None
+
+    def _trace_fold(self, what: str, elements: int, kind: str = "numpy") -> None:
+        log.debug("#%d %s: 1 tensors, %d elements, timeout=None", self._calls, what, elements)
+        log.debug("#%d %s: 1 %s tensors via %s (inside the validation probe)", self._calls, what,
+                  kind, _HOST_BACKEND.name)
+
+    def _fold_scalar(self, op: ReduceOp, value: float) -> float:
+        if self._broken:
+            raise AbortedError(f"all_reduce refused on rank {self.rank}: {self._broken}")
+        self._calls += 1
+        if self._trace:
+            self._trace_fold(_ALL_REDUCE_WHAT[op], 1)
+        total = self._probe.sum_scalar(_ALL_REDUCE_WHAT[op], _SCALAR_SIGNATURE, value)
+        if timeline.ON:
+            self._backend_name = "validation-probe"
+        return total / self.size if op is ReduceOp.MEAN else total
+
+    def _fold_small(self, op: ReduceOp, array, signature: tuple):
+        _, _, deadline = self._prologue("all_reduce", None)
+        if self._trace:
+            self._trace_fold(_ALL_REDUCE_WHAT[op], array.size, array_kind(array))
+        host = array if type(array) is np.ndarray else to_host(array)
+        sums = self._probe.sum_with(_ALL_REDUCE_WHAT[op], signature, deadline, host)
+        out = sums.reshape(host.shape).copy()
+        if op is ReduceOp.MEAN:
+            out /= self.size
+        if timeline.ON:
+            self._backend_name = "validation-probe"
+        return out if type(array) is np.ndarray else from_host(out, array)
+
+    def is_deterministic(self, options: Optional[CommunicationOptions] = None) -> bool:
+        """Whether SUM and MEAN take the reproducible path for these per-call options."""
+        return self.deterministic or self.options.deterministic or bool(
+            options is not None and options.deterministic)
+
+    def exact_sum(self, arrays: List, axis: Optional[int],
+                  options: Optional[CommunicationOptions] = None):
+        """Reproducible SUM over ranks of ``arrays``, element-wise or of all rows along
+        ``axis``: ``(sums, global summand counts)`` (see ``reproducible``)."""
+        start = timeline.begin() if timeline.ON else None
+        arrays = [_as_array(a) for a in arrays]
+        out = self._exact(arrays, ReduceOp.SUM, axis, options)
+        if start is not None:
+            self._record(f"exact sum axis={axis}", start, arrays)
+        return out
+
+    def _exact(self, arrays, op, axis, options):
+        what = f"deterministic {_ALL_REDUCE_WHAT[op]} axis={axis}"
+        signature = tuple((a.dtype.str, tuple(-1 if axis is not None and d == axis % a.ndim
+                                              else n for d, n in enumerate(a.shape)))
+                          for a in arrays)
+        opts, deadline = self._begin(what, signature, options)
+        kinds = {array_kind(a) for a in arrays}
+        hosts = [to_host(a) if array_kind(a) != "numpy" else a for a in arrays]
+
+        def sum_across(wires):
+            return self._run(what, wires, opts, lambda backend, idx: backend.all_reduce(
+                self.comm, [wires[i] for i in idx], ReduceOp.SUM, opts, deadline))
+
+        sums, counts = self._guard(exact_sum, self.comm, hosts, axis, sum_across, deadline)
+        if op is ReduceOp.MEAN:
+            sums = [_divided(s, c) for s, c in zip(sums, counts)]
+        if kinds != {"numpy"}:
+            sums = [from_host(s, a) if array_kind(a) != "numpy" else s
+                    for s, a in zip(sums, arrays)]
+        return sums, counts
+
+    def _record(self, what: str, start: float, arrays) -> None:
+        timeline.end(what, start, sum(getattr(a, "nbytes", 0) for a in arrays),
+                     {"engine": self._id, "seq": self._calls, "backend": self._backend_name,
+                      "tensors": len(arrays), "ranks": self.size})
 
     def all_gather(self, value: Any, axis: int = 0,
                    options: Optional[CommunicationOptions] = None) -> Any:
@@ -160,6 +299,7 @@ class CollectiveEngine:
         Shapes may differ along ``axis`` only; anything else raises
         ``InvalidArgumentError`` (a ``ValueError``) on every rank, naming ranks.
         """
+        start = timeline.begin() if timeline.ON else None
         arrays = [_as_array(v) for v in nest.flatten(value)]
         what = f"all_gather axis={axis}"
         masked = tuple((_dtype_key(a),
@@ -179,6 +319,8 @@ class CollectiveEngine:
         results = self._run(what, arrays, opts, lambda backend, idx: backend.all_gather(
             self.comm, [arrays[i] for i in idx], [counts[i] for i in idx],
             _axis_or_none(axis, arrays[idx[0]].ndim), deadline))
+        if start is not None:
+            self._record(what, start, results)
         return nest.pack_sequence_as(value, results)
 
     def _gather_counts(self, what, arrays, axis, deadline) -> List[List[int]]:
@@ -194,11 +336,14 @@ class CollectiveEngine:
     def broadcast(self, value: Any, root: int = 0,
                   options: Optional[CommunicationOptions] = None) -> Any:
         """Every rank receives ``root``'s ``value`` (same structure, shapes and dtypes)."""
+        start = timeline.begin() if timeline.ON else None
         arrays = [_as_array(v) for v in nest.flatten(value)]
         what = f"broadcast root={root}"
         opts, deadline = self._begin(what, _signature(arrays), options)
         results = self._run(what, arrays, opts, lambda backend, idx: backend.broadcast(
             self.comm, [arrays[i] for i in idx], root, deadline))
+        if start is not None:
+            self._record(what, start, arrays)
         return nest.pack_sequence_as(value, results)
 
     def agree(self, what: str, signature: tuple,
@@ -234,6 +379,13 @@ class CollectiveEngine:
         self._guard(wait_all, [self.comm.Ibarrier()], deadline, "barrier")
 
 
+def _divided(total, count: int):
+    """MEAN from a SUM over ``count`` summands (integers truncate, as TensorFlow's ``Div``)."""
+    result = np.array(total, copy=True)
+    divide_for_mean(result, count)
+    return result
+
+
 def _nothing() -> None:
     return None
 
@@ -245,5 +397,6 @@ def _axis_or_none(axis: int, ndim: int) -> Optional[int]:
     return None
 
 
+_SCALAR_SIGNATURE = _signature([np.float64(0.0)])  # a Python float's, as the long path builds it
 _HOST_CAPS = Capabilities(cuda_aware_mpi=False, nccl=False)  # NumPy needs no detection
 _HOST_BACKEND = select_backend("numpy", CommunicationImplementation.AUTO, _HOST_CAPS)

@@ -44,13 +44,18 @@ class CommunicationOptions:
     arrays use NCCL (host arrays still travel over MPI) and raises naming the
     reason where NCCL cannot run. ``algorithm`` (an mpistrat extension, set
     by ``cross_device_ops``): ``"auto"``, ``"mpi"``, ``"ring"``,
-    ``"hierarchical"`` or ``"reduce_broadcast"``.
+    ``"hierarchical"`` or ``"reduce_broadcast"``. ``deterministic``:
+    SUM and MEAN give bitwise identical results whatever the rank count,
+    algorithm, fusion or order (exact fixed-point sums,
+    ``collectives/reproducible.py``; ``MPISTRAT_DETERMINISTIC=1`` turns it on
+    for every engine). Every rank must pass the same value.
     """
 
     bytes_per_pack: int = 0
     timeout_seconds: Optional[float] = None
     implementation: CommunicationImplementation = CommunicationImplementation.AUTO
     algorithm: str = "auto"
+    deterministic: bool = False
 
     def __post_init__(self):
         if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
@@ -79,4 +84,5 @@ class CommunicationOptions:
             implementation=other.implementation
             if other.implementation is not CommunicationImplementation.AUTO else self.implementation,
             algorithm=other.algorithm if other.algorithm != "auto" else self.algorithm,
+            deterministic=bool(other.deterministic or self.deterministic),
         )

@@ -2,11 +2,14 @@
 
 Each rank reduces its *signature* (kind of collective, op, dtype and shape
 of every tensor) to a 64-bit hash, cached per signature, and one tiny
-``Allreduce`` (MAX of ``h`` and of ``-h``) tells every rank whether all hashes
-are equal. Only on a mismatch do ranks exchange the signatures themselves, to
-build an error that names the ranks and what differs. The cost is one
-16-byte ``Iallreduce`` per collective (about 5 µs on 2 ranks here); set
-``MPISTRAT_VALIDATE=0`` to skip it.
+``Iallreduce`` tells every rank whether all hashes are equal: 16 doubles
+summed, six of which carry three 16-bit pieces of the hash and their squares
+(equal sums of pieces and of squares mean every rank sent the same pieces).
+The other ten may carry a small float64 payload, so a validated scalar
+all-reduce is one collective, not a probe and then a reduction (``Probe``).
+Only on a mismatch do ranks exchange the signatures themselves, to build an
+error that names the ranks and what differs. Set ``MPISTRAT_VALIDATE=0`` to
+skip the probe for larger collectives.
 
     >>> from mpistrat.collectives.validation import describe_mismatch
     >>> print(describe_mismatch("all_reduce SUM",
@@ -25,7 +28,8 @@ from mpi4py import MPI
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.errors import InvalidArgumentError
 
-__all__ = ["Signature", "validation_enabled", "agree", "start_agree", "describe_mismatch", "format_ranks"]
+__all__ = ["Signature", "validation_enabled", "agree", "start_agree", "Probe", "PAYLOAD_SLOTS",
+           "describe_mismatch", "format_ranks"]
 
 Signature = Tuple[Tuple[str, Tuple[int, ...]], ...]
 _HASHES: Dict[tuple, int] = {}
@@ -111,29 +115,101 @@ def agree(comm: MPI.Comm, what: str, signature: Signature,
     start_agree(comm, what, signature, deadline)()
 
 
+# The probe: PROBE_SLOTS doubles summed across ranks. The last six carry three 16-bit
+# pieces p of the signature's hash and their squares: every rank finds sum(p) == n * p
+# and sum(p * p) == n * p * p (exact in doubles) only if every rank sent the same p.
+# The first PAYLOAD_SLOTS may carry a small float64 SUM, so that a scalar all-reduce
+# is one collective, not a probe and a reduction (``Probe.sum_with``).
+PROBE_SLOTS = 16
+PAYLOAD_SLOTS = PROBE_SLOTS - 6
+_TEMPLATES: Dict[tuple, Tuple[array, array]] = {}
+
+
+def _template(what: str, signature: Signature, timed: bool, size: int) -> Tuple[array, array]:
+    """(the probe with zero payload, the hash slots every rank expects back), cached."""
+    key = (what, signature, timed, size)
+    entry = _TEMPLATES.get(key)
+    if entry is None:
+        if len(_TEMPLATES) > 4096:
+            _TEMPLATES.clear()
+        h = _hash((what, _plain(signature), timed))  # the same whichever dtype form
+        parts = [(h >> shift) & 0xFFFF for shift in (0, 16, 32)]
+        slots = [float(v) for p in parts for v in (p, p * p)]
+        entry = (array("d", [0.0] * PAYLOAD_SLOTS + slots), array("d", [size * v for v in slots]))
+        _TEMPLATES[key] = entry
+    return entry
+
+
 def start_agree(comm: MPI.Comm, what: str, signature: Signature,
                 deadline: Optional[Deadline]) -> Callable[[], None]:
     """``agree`` in two halves: post the probe now, and return the function that
     waits for it (and raises on a mismatch), so the caller can work meanwhile."""
     timed = deadline is not None
-    h = _hash((what, signature, timed))
-    probe = array("q", (h, -h))
-    result = array("q", (0, 0))
-    request = comm.Iallreduce(probe, result, MPI.MAX)
+    template, expected = _template(what, signature, timed, comm.Get_size())
+    probe = array("d", template)
+    result = array("d", template)
+    request = comm.Iallreduce(probe, result, MPI.SUM)
 
     def finish(buffers=(probe, result)) -> None:  # the buffers live until the wait ends
         if deadline is None:
             request.Wait()
         else:
             wait_all([request], deadline, f"{what} (validation)")
-        if result[0] != -result[1]:  # max(h) == min(h) would mean every rank passed the same
+        if result[PAYLOAD_SLOTS:] != expected:
             _raise_mismatch(comm, what, signature, timed)
 
     return finish
 
 
+class Probe:
+    """One engine's reusable probe buffers, for the validated small float64 SUM."""
+
+    def __init__(self, comm: MPI.Comm):
+        self.comm = comm
+        self.size = comm.Get_size()
+        self.send = array("d", [0.0] * PROBE_SLOTS)
+        self.recv = array("d", [0.0] * PROBE_SLOTS)
+        self.send_values = np.frombuffer(self.send, dtype=np.float64)
+        self.recv_values = np.frombuffer(self.recv, dtype=np.float64)
+
+    def sum_with(self, what: str, signature: Signature, deadline: Optional[Deadline],
+                 values: np.ndarray) -> np.ndarray:
+        """Validate and SUM up to ``PAYLOAD_SLOTS`` float64 values in one collective.
+
+        Returns a view of the sums (valid until the next call)."""
+        template, expected = _template(what, signature, deadline is not None, self.size)
+        send = self.send
+        send[:] = template
+        count = values.size
+        self.send_values[:count] = values.reshape(-1)
+        request = self.comm.Iallreduce(send, self.recv, MPI.SUM)
+        if deadline is None:
+            request.Wait()
+        else:
+            wait_all([request], deadline, f"{what} (validation)")
+        if self.recv[PAYLOAD_SLOTS:] != expected:
+            _raise_mismatch(self.comm, what, signature, deadline is not None)
+        return self.recv_values[:count]
+
+    def sum_scalar(self, what: str, signature: Signature, value: float) -> float:
+        """``sum_with`` for one Python float and no deadline: the scalar hot path."""
+        template, expected = _template(what, signature, False, self.size)
+        send = self.send
+        send[:] = template
+        send[0] = value
+        self.comm.Iallreduce(send, self.recv, MPI.SUM).Wait()
+        if self.recv[PAYLOAD_SLOTS:] != expected:
+            _raise_mismatch(self.comm, what, signature, False)
+        return self.recv[0]
+
+
+def _plain(signature) -> Signature:
+    """Entries as ``(dtype string, shape)``, whichever dtype form the caller used."""
+    return tuple((d if isinstance(d, str) else np.dtype(d).str, tuple(s)) for d, s in signature)
+
+
 def _raise_mismatch(comm: MPI.Comm, what: str, signature: Signature, timed: bool) -> None:
-    everyone = comm.allgather((what, signature, timed))  # small metadata, error path only
+    everyone = comm.allgather((what, _plain(signature), timed))  # metadata, error path only
     kinds = {w for w, _, _ in everyone}
     if len(kinds) > 1:
         names = "; ".join(f"rank {r} calls {w}" for r, (w, _, _) in enumerate(everyone))

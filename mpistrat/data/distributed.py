@@ -132,8 +132,10 @@ class DistributedIterator:
     def _advance(self) -> PerReplica:
         element, failure = self._next_local()
         if self._static:  # full batches only: stop when any rank has none left
+            # ranks without a batch and ranks that failed, counted by a float SUM: it
+            # travels inside the validation probe (one collective per step)
             flags = self._engine.all_reduce(
-                np.array([element is _END, failure is not None], np.int32), ReduceOp.MAX)
+                np.array([element is _END, failure is not None], np.float64), ReduceOp.SUM)
             if flags[1]:
                 agree_errors(self._engine, failure, f"input step {self._steps}")
             if flags[0]:
@@ -144,9 +146,9 @@ class DistributedIterator:
         if element is not _END:
             self._template = element
         needs = element is _END and self._template is None
-        flags = self._engine.all_reduce(
-            np.array([element is not _END, needs, failure is not None], dtype=np.int32),
-            ReduceOp.MAX)
+        flags = self._engine.all_reduce(  # counts of ranks with data / needing the layout /
+            np.array([element is not _END, needs, failure is not None],  # failing to read
+                     dtype=np.float64), ReduceOp.SUM)
         if flags[2]:  # a rank could not read (a truncated file, say): every rank raises
             agree_errors(self._engine, failure, f"input step {self._steps}")
         if not flags[0]:

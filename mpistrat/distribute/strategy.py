@@ -24,7 +24,7 @@ from mpistrat.collectives import CollectiveEngine, ReduceOp, divide_for_mean
 from mpistrat.distribute.context import ValueContext, current_strategy_entry, entered
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.distribute.results import scalars_to_numpy
-from mpistrat.distribute.values import DistributedValues, PerReplica, local_component
+from mpistrat.distribute.values import DistributedValues, Mirrored, PerReplica, local_component
 from mpistrat.runtime.devices import array_kind, array_module
 
 __all__ = ["Strategy", "StrategyExtended"]
@@ -60,6 +60,55 @@ class StrategyExtended:
     @property
     def default_replica_context(self) -> ReplicaContext:
         return ReplicaContext(self._container_strategy, self.local_replica_ids[0])
+
+    # -- reductions to destinations (tf.distribute.StrategyExtended) ----------
+    def reduce_to(self, reduce_op, value: Any, destinations: Any, options=None):
+        """Combine ``value`` across replicas and place the result on ``destinations``.
+
+        As TensorFlow's: ``value`` is a ``DistributedValues`` (or a plain value,
+        taken as this rank's replica value, as ``Strategy.reduce`` does);
+        ``destinations`` a device string, a ``DistributedValues`` or a variable
+        (``ValueError`` when empty). Every replica receives the element-wise
+        result (``MEAN`` divides by ``num_replicas_in_sync``): a plain value
+        with one local replica, a ``Mirrored`` with several. Cross-replica
+        context only. ``options`` are per-call ``CommunicationOptions``::
+
+            >>> import mpistrat as ms
+            >>> s = ms.MultiWorkerMirroredStrategy()
+            >>> s.extended.reduce_to("SUM", 1.0, destinations="/cpu:0")  # doctest: +SKIP
+            np.float64(2.0)                                               # on 2 ranks
+        """
+        _check_destinations(destinations, "reduce_to")
+        return self.batch_reduce_to(reduce_op, [(value, destinations)], options)[0]
+
+    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None) -> list:
+        """``reduce_to`` for many ``(value, destinations)`` pairs in as few collectives
+        as the fusion plan allows (one for small tensors of one dtype).
+
+        Returns a list, one result per pair::
+
+            >>> s.extended.batch_reduce_to("MEAN", [(g, "/cpu:0") for g in grads])  # doctest: +SKIP
+        """
+        strategy = self._container_strategy
+        strategy._require_cross_replica("extended.batch_reduce_to")
+        if not isinstance(value_destination_pairs, (list, tuple)) or any(
+                not isinstance(p, (list, tuple)) or len(p) != 2 for p in value_destination_pairs):
+            raise ValueError("batch_reduce_to: value_destination_pairs must be a list or tuple of "
+                             "(value, destinations) pairs, got "
+                             f"{type(value_destination_pairs).__name__}")
+        for _, destinations in value_destination_pairs:
+            _check_destinations(destinations, "batch_reduce_to")
+        op = ReduceOp.from_any(reduce_op)
+        values = [v for v, _ in value_destination_pairs]
+        if not values:
+            return []
+        ids = self.local_replica_ids
+        if len(ids) == 1:  # one replica per rank: one engine call over every value
+            results = self.engine.all_reduce([_local(v) for v in values], op, options)
+            return list(scalars_to_numpy(results))
+        results = strategy._reduce_components(op, strategy.experimental_local_results(values),
+                                              None, options)
+        return [Mirrored([r] * len(ids), ids) for r in results]
 
 
 class Strategy:
@@ -162,14 +211,23 @@ class Strategy:
             local = _local(value)
         return self._extended.engine.all_gather(local, axis)
 
-    def _reduce_components(self, op: ReduceOp, components: tuple, axis: Optional[int]):
+    def _reduce_components(self, op: ReduceOp, components: tuple, axis: Optional[int],
+                           options=None):
         """Reduce this rank's replicas' values (one nest each) here, then across ranks."""
         leaves = list(zip(*[[_as_array(x) for x in nest.flatten(c)] for c in components]))
         engine = self._extended.engine
         ids = self._extended.local_replica_ids
+        exact = op in (ReduceOp.SUM, ReduceOp.MEAN) and engine.is_deterministic(options)
+        if axis is None and exact and len(ids) > 1:  # the replicas' values are the rows
+            for parts in leaves:
+                _same_shapes(parts, ids)
+            sums, counts = engine.exact_sum([np.stack(parts) for parts in leaves], 0, options)
+            results = [_mean(s, c) if op is ReduceOp.MEAN else s for s, c in zip(sums, counts)]
+            return scalars_to_numpy(nest.pack_sequence_as(components[0], results))
         if axis is None:
             combined = [_combine_local(op, list(parts), ids) for parts in leaves]
-            results = engine.all_reduce(combined, ReduceOp.SUM if op is ReduceOp.MEAN else op)
+            results = engine.all_reduce(combined, ReduceOp.SUM if op is ReduceOp.MEAN else op,
+                                        options)
             if op is ReduceOp.MEAN:
                 results = [_mean(r, self.num_replicas_in_sync) for r in results]
             return scalars_to_numpy(nest.pack_sequence_as(components[0], results))
@@ -184,6 +242,12 @@ class Strategy:
         if bad:
             shapes = ", ".join(str(leaves[i][0].shape) for i in bad)
             raise ValueError(f"reduce: axis {axis} is out of range for value(s) of shape {shapes}")
+        if exact:  # every row a summand of one exact sum, wherever it lives
+            rows_here = [parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
+                         for parts in leaves]
+            sums, counts = engine.exact_sum(rows_here, axis, options)
+            results = [s / c if op is ReduceOp.MEAN else s for s, c in zip(sums, counts)]
+            return scalars_to_numpy(nest.pack_sequence_as(components[0], results))
         partials = [_combine_local(op, [_partial(op, a, axis) for a in parts], ids)
                     for parts in leaves]
         if op is ReduceOp.MEAN:  # the global sum over the global number of rows along the axis
@@ -225,8 +289,27 @@ class Strategy:
         return f"<mpistrat.{type(self).__name__} num_replicas_in_sync={self.num_replicas_in_sync}>"
 
 
+def _check_destinations(destinations: Any, method: str) -> None:
+    """TensorFlow's check: destinations may not be empty (``ValueError``), nor of a kind
+    that names no device (``TypeError``)."""
+    if destinations is None or (isinstance(destinations, (str, list, tuple))
+                                and len(destinations) == 0):
+        raise ValueError(f"{method}: destinations can not be empty; pass a device string, a "
+                         f"variable or a DistributedValues (the value itself for an all-reduce)")
+    if isinstance(destinations, (list, tuple)):
+        if all(isinstance(d, str) for d in destinations):
+            return
+    elif isinstance(destinations, (str, DistributedValues, np.ndarray, np.generic, float, int)) \
+            or any(hasattr(destinations, a) for a in ("device", "devices", "assign")):
+        return
+    raise TypeError(f"{method}: destinations must be a device string (or a list of them), a "
+                    f"variable, a tensor or a DistributedValues, got {type(destinations).__name__}")
+
+
 def _local(value: Any) -> Any:
     """This rank's component of every distributed value in a nest."""
+    if type(value) in (list, tuple) and set(map(type, value)) <= _NDARRAY_ONLY:
+        return value  # a plain list of arrays (the common case): nothing to look into
     if isinstance(value, (dict, list, tuple)):
         if any(isinstance(x, DistributedValues) for x in nest.flatten(value)):
             return nest.map_structure(local_component, value)
@@ -234,6 +317,7 @@ def _local(value: Any) -> Any:
     return local_component(value)
 
 
+_NDARRAY_ONLY = {np.ndarray}
 _INPUT: dict = {}
 
 
@@ -269,13 +353,18 @@ def _partial(op: ReduceOp, array: np.ndarray, axis: int) -> np.ndarray:
     return fn(array, axis=axis)
 
 
-def _combine_local(op: ReduceOp, parts, replica_ids) -> np.ndarray:
-    """Combine one tensor's values of this rank's replicas (equal shapes required)."""
+def _same_shapes(parts, replica_ids) -> None:
+    """``ValueError`` unless this rank's replicas hold values of one shape."""
     shapes = {a.shape for a in parts}
     if len(shapes) > 1:
         described = "; ".join(f"replica {r}: {list(a.shape)}" for r, a in zip(replica_ids, parts))
         raise ValueError(f"reduce: the replicas of this rank have values of different shapes "
                          f"({described}); use axis=0 to reduce batches of different sizes")
+
+
+def _combine_local(op: ReduceOp, parts, replica_ids) -> np.ndarray:
+    """Combine one tensor's values of this rank's replicas (equal shapes required)."""
+    _same_shapes(parts, replica_ids)
     if len(parts) == 1:
         return parts[0]
     stacked = np.stack(parts)

@@ -15,7 +15,8 @@ come back out and replace the stored arrays. Outputs are ``PerReplica``
 values over the local devices. Before running, the ranks agree on the
 signature (one small MPI all-reduce), so a rank with other shapes gets an
 error naming it instead of a hang in XLA's collectives; a step that fails to
-trace on any rank raises on every rank.
+trace on any rank raises on every rank. Outputs are ``DevicePerReplica``
+values: split per device only when read.
 """
 
 from typing import Any, Callable, Dict, List, Tuple
@@ -32,7 +33,7 @@ from mpistrat.errors import InvalidArgumentError
 from mpistrat.runtime import jax_bridge
 from mpistrat.runtime.devices import array_kind
 
-__all__ = ["StepCache"]
+__all__ = ["StepCache", "DevicePerReplica"]
 
 _NUMBERS = (bool, int, float, complex, np.generic, np.ndarray)
 
@@ -53,7 +54,32 @@ def _static_key(x: Any) -> Any:
         return ("id", id(x))
 
 
+class DevicePerReplica(PerReplica):
+    """A step's output: the global device array, split into per-device components only
+    when someone asks for them (``values``); passed back into ``run`` it is used as is."""
+
+    def __init__(self, array: Any, scalar: bool, replica_ids):
+        self._device_array = array
+        self._scalar = scalar
+        self._replica_ids = tuple(replica_ids)
+        self._split: Any = None
+        rows = array.shape[0] // jax_bridge.topology().num_replicas if array.ndim else 0
+        self._spec = (np.dtype(array.dtype).str,
+                      () if scalar else (rows,) + tuple(array.shape[1:]))
+
+    @property
+    def _values(self) -> Tuple[Any, ...]:
+        if self._split is None:
+            self._split = tuple(jax_bridge.local_from_global(self._device_array, self._scalar))
+        return self._split
+
+    def __len__(self) -> int:
+        return len(self._replica_ids)
+
+
 def _component_spec(value: DistributedValues) -> Tuple[str, Tuple[int, ...]]:
+    if type(value) is DevicePerReplica:
+        return value._spec
     first = value.values[0]
     dtype, shape = getattr(first, "dtype", None), getattr(first, "shape", None)
     if dtype is not None and shape is not None and all(
@@ -94,9 +120,9 @@ class StepCache:
         uneven = None
         for leaf in leaves:
             if isinstance(leaf, DistributedValues):
-                if len(leaf.values) != len(extended.local_replica_ids):
+                if len(leaf) != len(extended.local_replica_ids):
                     raise ValueError(
-                        f"{type(leaf).__name__} with {len(leaf.values)} components passed to "
+                        f"{type(leaf).__name__} with {len(leaf)} components passed to "
                         f"TPUStrategy.run, but this host runs {len(extended.local_replica_ids)} "
                         f"replicas; make it with this strategy's "
                         f"experimental_distribute_values_from_function or datasets")
@@ -138,11 +164,13 @@ class StepCache:
             scalars = [not shape for (_, shape), k in zip(signature, kinds) if k == "p"]
             step = self._trace(fn, treedef, kinds, scalars, statics, variables, inputs, what)
             self._steps[key] = step
+        # (Dispatching a program without collectives before the probe completes was tried and
+        # measured slower here: MPI's busy wait then competes with XLA's threads for the cores.)
         outputs, written = step.program(*inputs)
         jax.block_until_ready((outputs, written))  # many steps in flight can stall gloo
         store_written(variables, step.written, written)
         ids = extended.local_replica_ids
-        results = [PerReplica(jax_bridge.local_from_global(o, scalar), ids)
+        results = [DevicePerReplica(o, scalar, ids)
                    for o, scalar in zip(outputs, step.scalar_outputs)]
         return jax.tree_util.tree_unflatten(step.out_tree, results)
 

@@ -13,16 +13,16 @@ buffers are refused by name: this backend's MPI may not be CUDA-aware::
     [array([1., 1.])]
 """
 
-from typing import List
 
 import numpy as np
 
 from mpistrat.collectives.algorithms import RING_THRESHOLD_BYTES, allreduce, choose_algorithm
 from mpistrat.collectives.backends import hierarchical
-from mpistrat.collectives.backends.base import (Backend, PlanCache, movable, options_of,
+from mpistrat.collectives.backends.base import (Backend, movable, options_of,
                                                 refuse_device_buffers, wire_dtype)
 from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import wait_all
+from mpistrat.collectives.packing import fused_all_reduce
 from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
 from mpistrat.collectives.topology import comm_topology
 
@@ -63,7 +63,7 @@ class HostMPI(Backend):
     name = "host-mpi"
 
     def __init__(self):
-        self._plans = PlanCache()
+        self._fused: dict = {}  # packing.FusedPlan per signature
 
     def usable(self, kind, implementation, caps, topology=None):
         if kind == "numpy":  # host arrays travel over MPI whatever the preference for devices
@@ -77,34 +77,10 @@ class HostMPI(Backend):
         size = comm.Get_size()
         if len(arrays) == 1:
             return [self._reduce_one(comm, arrays[0], op, deadline, size, preference)]
-        pool = default_pool()
-        originals = [a if type(a) is np.ndarray else np.asarray(a) for a in arrays]
-        wires = [_wire(a, op) for a in originals]
-        results: List = [None] * len(arrays)
-        plan = self._plans.get([w.shape for w in wires], [w.dtype.str for w in wires],
-                               [w.nbytes for w in wires], opts.pack_bytes)
-        for bucket, count, members in plan:
-            if bucket.fused:  # 1. pack the small tensors into one (pooled) buffer
-                buffer = pool.take((count,), wires[bucket.indices[0]].dtype)
-                np.concatenate([wires[i] for i in bucket.indices], axis=None, out=buffer)
-                send = buffer
-            else:             # or reduce one large tensor without a packing copy
-                send = wires[bucket.indices[0]]
-                buffer = pool.take(send.shape, send.dtype)
-            # 2. combine across ranks, with the algorithm that suits the size and topology
-            host_allreduce(comm, send, buffer, op, deadline, preference)
-            # 3. finish MEAN, then hand out views of the result in the original dtypes
-            if op is ReduceOp.MEAN:
-                divide_for_mean(buffer, size)
-            flat = buffer.reshape(-1)
-            for index, start, stop in members:
-                original = originals[index]
-                piece = flat[start:stop].reshape(original.shape)
-                if wires[index].dtype is not original.dtype:  # travelled widened or as bytes
-                    piece = piece.view(np.bool_) if original.dtype.char == "?" \
-                        else piece.astype(original.dtype)
-                results[index] = piece
-        return results
+        # many tensors: fused by dtype into pooled buckets, planned once per signature
+        return fused_all_reduce(comm, arrays, op, opts.pack_bytes, deadline, self._fused,
+                                lambda send, recv: host_allreduce(comm, send, recv, op, deadline,
+                                                                  preference))
 
     def _reduce_one(self, comm, array, op, deadline, size, preference):
         """One tensor: no plan, no packing (the common case of scalars and large tensors)."""

@@ -1,0 +1,236 @@
+"""Reproducible sums: SUM and MEAN with the same bits whatever the order of addition.
+
+Floating-point addition is not associative, so a sum depends on the rank
+count, the algorithm (ring or MPI's tree), the fusion and, along an axis, on
+how rows were split over ranks. Here each floating-point tensor is summed
+exactly, as integers, on a fixed-point grid that every rank agrees on:
+
+1. Each rank finds the binary exponent of its largest magnitude
+   (``max_exponent``) and how many summands it adds per element (1, or its
+   rows along the reduced axis). One ``Allgather`` of these small integers
+   gives every rank the global exponent ``E`` (``max|x| < 2**E``) and the
+   global summand count ``M``: both independent of how the data is split.
+2. ``grid_for(dtype, E, M)`` picks the wire type and the fraction bits
+   ``F``: each value ``x`` becomes ``q = trunc(x * 2**(F-E))`` with
+   ``|q| < 2**F``, and ``M`` of them add up without overflow. For up to 7
+   summands of float32/float64 the wire is the float itself: ``x`` is rounded
+   onto the grid ``2**(E-F)`` with ``(x + C) - C`` (``C = 1.5 * 2**(E-F+p-1)``),
+   and sums of such values are exact in the float while ``M * 2**E < 2**(E-F+p)``.
+3. ``to_fixed`` (summing rows along the axis in integers), an integer SUM
+   across ranks (any algorithm, any fusion: integer addition is exact and
+   associative), then ``from_fixed``: ``total * 2**(E-F)`` rounded once to
+   the tensor's dtype.
+
+Every step is a function of each element alone or an exact integer sum, so
+the result is bitwise identical at any rank count, split, algorithm or order.
+
+Accuracy: each value is cut to the grid ``2**(E-F)`` (toward zero; to nearest
+on the float wire), an error below one grid step, so
+``|result - exact sum| < M * 2**(E-F)`` plus, on the integer wire, the final
+rounding to the dtype (half an ulp of the result). On the integer wire ``F``
+keeps at least the significand of the largest value (24 bits for float32, 11
+for float16, 53 for float64 while ``M < 1024``; beyond that float64 keeps
+``63 - bits(M)``); on the float wire (up to 7 summands) ``F`` is 21-22 bits
+(float32) or 50-51 (float64), so even the largest values may lose their last
+2 or 3 bits, about what one or two float additions lose. Values far smaller
+than the largest lose low bits, as they would in any sum with it. Integer tensors are summed as integers (already exact). NaN or
+infinity anywhere in a tensor makes that tensor fall back to the ordinary
+float sum (the result is NaN or infinite either way)::
+
+    >>> import numpy as np
+    >>> from mpistrat.collectives.reproducible import grid_for, max_exponent, to_fixed, from_fixed
+    >>> x = np.array([[0.1, 1e-8], [0.2, 3.0]], dtype=np.float32)
+    >>> e = max_exponent(x); wire, f = grid_for(x.dtype, e, 2)
+    >>> q = to_fixed(x, e, f, wire, axis=0)            # rows summed exactly
+    >>> from_fixed(q, e, f, x.dtype)
+    array([0.3, 3. ], dtype=float32)
+"""
+
+import os
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from mpistrat.collectives.buffer_pool import default_pool
+from mpistrat.collectives.deadline import Deadline, wait_all
+
+__all__ = ["DETERMINISTIC_ENV", "deterministic_default", "ZERO", "NONFINITE", "max_exponent", "grid_for", "to_fixed", "from_fixed",
+           "exact_sum", "is_exact_kind"]
+
+DETERMINISTIC_ENV = "MPISTRAT_DETERMINISTIC"
+ZERO = -(1 << 30)       # exponent of an all-zero (or empty) tensor
+NONFINITE = 1 << 30     # exponent of a tensor holding NaN or infinity
+_SIGNIFICAND = {2: 11, 4: 24, 8: 53}   # bits, by float itemsize
+
+
+def deterministic_default() -> bool:
+    """Whether ``MPISTRAT_DETERMINISTIC`` turns reproducible sums on for every engine."""
+    return os.environ.get(DETERMINISTIC_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def is_exact_kind(dtype) -> bool:
+    """Whether ``dtype`` goes through the fixed-point path (floating point, real or complex)."""
+    return np.dtype(dtype).kind in "fc"
+
+
+def _real(array: np.ndarray) -> np.ndarray:
+    """Complex values as pairs of reals (a view), real ones unchanged; float16 widened to
+    float32 (whose range holds the scaled integers)."""
+    if array.dtype.kind == "c":
+        array = np.ascontiguousarray(array)
+        return array.view(array.real.dtype).reshape(array.shape + (2,))
+    if array.dtype.itemsize < 4:
+        return array.astype(np.float32)
+    return array
+
+
+def max_exponent(array: np.ndarray) -> int:
+    """``e`` with ``max|x| < 2**e`` (``ZERO`` if all zero or empty, ``NONFINITE``)."""
+    array = _real(array)
+    if array.size == 0:
+        return ZERO
+    high, low = array.max(), array.min()
+    if not (np.isfinite(high) and np.isfinite(low)):
+        return NONFINITE
+    biggest = max(float(high), -float(low))
+    if biggest == 0.0:
+        return ZERO
+    return int(np.frexp(biggest)[1])
+
+
+def grid_for(dtype, exponent: int, count: int) -> Tuple[np.dtype, int]:
+    """``(wire dtype, fraction bits F)`` for ``count`` summands below ``2**exponent``.
+
+    Up to 7 summands of float32 or float64 (an element-wise all-reduce over a
+    few ranks) stay floats: values rounded to ``F = p - max(bits(count), 2)``
+    bits below the exponent (``p``: the significand, 24 or 53) add up exactly
+    in the float itself, with no conversion (``F`` 21-22 or 50-51). Otherwise
+    integers: int32 when it keeps the full significand of the largest value
+    (float16, float32 with up to 127 summands), else int64::
+
+        >>> grid_for(np.float32, 0, 4)
+        (dtype('float32'), 21)
+        >>> grid_for(np.float32, 0, 100)
+        (dtype('int32'), 24)
+        >>> grid_for(np.float32, 0, 1000)
+        (dtype('int64'), 53)
+    """
+    dtype = np.dtype(dtype)
+    itemsize = dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize
+    need = _SIGNIFICAND.get(itemsize, 53)
+    headroom = max(int(count), 1).bit_length()  # count < 2**headroom
+    if itemsize >= 4 and headroom <= 3:
+        real = np.dtype(f"f{itemsize}")
+        bits = need - max(headroom, 2)
+        step = exponent - bits  # the magic constant 1.5 * 2**(step + p - 1) must be normal
+        info = np.finfo(real)
+        if info.minexp <= step + need - 1 and step + need < info.maxexp:
+            return real, bits
+    if 31 - headroom >= need:
+        return np.dtype(np.int32), 31 - headroom
+    return np.dtype(np.int64), 63 - headroom
+
+
+def _scaled(array: np.ndarray, shift: int, out: np.ndarray) -> np.ndarray:
+    """``array * 2**shift`` in place of ``out`` (same float dtype): exact while the product
+    is normal; ``ldexp`` when the power itself does not fit the dtype."""
+    info = np.finfo(array.dtype)
+    if info.minexp <= shift < info.maxexp:
+        return np.multiply(array, array.dtype.type(2.0 ** shift), out=out)
+    return np.ldexp(array, shift, out=out)
+
+
+def to_fixed(array: np.ndarray, exponent: int, fraction_bits: int, wire,
+             axis: Optional[int] = None) -> np.ndarray:
+    """The integers ``trunc(x * 2**(F-E))``; with ``axis``, summed along it (exactly).
+
+    Two passes over pooled memory: scale (exact), then cast to the integer type
+    (truncation toward zero, a function of each value alone).
+    """
+    array = np.asarray(array)
+    if axis is not None:
+        axis = axis % max(array.ndim, 1)
+    real = _real(array)
+    wire = np.dtype(wire)
+    if exponent == ZERO:
+        shape = real.shape if axis is None else np.delete(real.shape, axis % max(real.ndim, 1))
+        return np.zeros(tuple(int(d) for d in shape), dtype=wire)
+    pool = default_pool()
+    if wire.kind == "f":  # round onto the grid in the float itself: (x + C) - C
+        step = exponent - fraction_bits
+        magic = wire.type(1.5 * 2.0 ** (step + _SIGNIFICAND[wire.itemsize] - 1))
+        grid = pool.take(real.shape, wire)
+        np.add(real, magic, out=grid)
+        np.subtract(grid, magic, out=grid)
+        return grid if axis is None else np.sum(grid, axis=axis, dtype=wire)
+    scaled = _scaled(real, fraction_bits - exponent, out=pool.take(real.shape, real.dtype))
+    fixed = pool.take(real.shape, wire)  # pooled: reused once the caller drops it
+    np.copyto(fixed, scaled, casting="unsafe")
+    del scaled
+    return fixed if axis is None else np.sum(fixed, axis=axis, dtype=wire)
+
+
+def from_fixed(total: np.ndarray, exponent: int, fraction_bits: int, dtype) -> np.ndarray:
+    """``total * 2**(E-F)`` in ``dtype``: one rounding of the exact integer sum."""
+    dtype = np.dtype(dtype)
+    real_dtype = dtype.type(0).real.dtype
+    work = np.dtype(np.float32) if real_dtype.itemsize < 4 else real_dtype
+    if exponent == ZERO:
+        out = np.zeros(total.shape, dtype=real_dtype)
+    elif total.dtype.kind == "f":  # summed on the grid in the float itself: already exact
+        out = total.astype(real_dtype, copy=False)
+    else:
+        out = default_pool().take(total.shape, work)
+        np.copyto(out, total, casting="unsafe")  # the one rounding (exact for int32 -> f64)
+        _scaled(out, exponent - fraction_bits, out=out)
+        out = out.astype(real_dtype, copy=False)
+    if dtype.kind == "c":
+        return np.ascontiguousarray(out).view(dtype).reshape(out.shape[:-1])
+    return out
+
+
+def exact_sum(comm: MPI.Comm, arrays: Sequence[np.ndarray], axis: Optional[int],
+              all_reduce_sum: Callable[[List[np.ndarray]], List[np.ndarray]],
+              deadline: Optional[Deadline] = None) -> Tuple[List[np.ndarray], List[int]]:
+    """Reproducible SUM of ``arrays`` over ``comm``: element-wise (``axis=None``) or of
+    all rows along ``axis``. Returns the sums and each tensor's global summand count.
+
+    ``all_reduce_sum(list)`` must SUM a list of arrays across ranks (it may fuse
+    them); it is called once, with every tensor's integers and every integer tensor.
+    """
+    arrays = [np.asarray(a) for a in arrays]
+    exact = [i for i, a in enumerate(arrays) if is_exact_kind(a.dtype)]
+    rows = [1 if axis is None else a.shape[axis] for a in arrays]
+    # 1. agree on each tensor's exponent and summand count (one small Allgather)
+    mine = np.array([max_exponent(arrays[i]) for i in exact] + rows, dtype=np.int64)
+    table = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
+    if deadline is None:
+        comm.Allgather(mine, table)
+    else:  # a timed collective: the non-blocking call, as the engine's own
+        wait_all([comm.Iallgather(mine, table)], deadline, "deterministic sum (exponents)")
+    exponents = table[:, :len(exact)].max(axis=0).tolist()
+    counts = table[:, len(exact):].sum(axis=0).tolist()
+    # 2. every tensor becomes the integers (or, for integer or non-finite tensors, the
+    #    local partial sums) that travel
+    position = {index: k for k, index in enumerate(exact)}
+    grids = {}
+    wires: List[np.ndarray] = []
+    for index, array in enumerate(arrays):
+        exponent = exponents[position[index]] if index in position else NONFINITE
+        if exponent != NONFINITE:
+            wire, bits = grid_for(array.dtype, exponent, counts[index])
+            grids[index] = (exponent, bits)
+            wires.append(to_fixed(array, exponent, bits, wire, axis))
+        else:
+            wires.append(array if axis is None else np.sum(array, axis=axis, dtype=array.dtype))
+    # 3. one integer SUM across ranks, then back to each dtype
+    totals = all_reduce_sum(wires)
+    results = []
+    for index, (array, total) in enumerate(zip(arrays, totals)):
+        if index in grids:
+            exponent, bits = grids[index]
+            results.append(from_fixed(np.asarray(total), exponent, bits, array.dtype))
+        else:
+            results.append(np.asarray(total))
+    return results, counts

@@ -1,0 +1,240 @@
+"""A timeline of collectives (and of any other step), as one Chrome trace for Perfetto.
+
+Set ``MPISTRAT_TIMELINE=/path/trace.json`` and every rank records each
+collective: when it started and ended, the bytes, the backend, the algorithm
+of each bucket, and (filled in when the ranks' records are merged) how long
+this rank waited for the slowest one. At exit, or at an explicit
+``flush()`` (collective), rank 0 merges every rank's events into one trace-event
+JSON file that https://ui.perfetto.dev or ``chrome://tracing`` opens: one
+process per rank, one row per thread.
+
+Other layers add their own spans; off, each costs one attribute test::
+
+    >>> from mpistrat.runtime import timeline
+    >>> with timeline.span("write model/dense/kernel", "checkpoint", nbytes=4096):
+    ...     pass
+    >>> with timeline.recording() as events:     # tests: record into a list
+    ...     with timeline.span("read batch 3", "dataset", nbytes=64):
+    ...         pass
+    >>> [(e.name, e.category, e.nbytes) for e in events]
+    [('read batch 3', 'dataset', 64)]
+
+Clocks are aligned at the merge (a barrier, then every rank reads its clock);
+``wait_us`` of a collective is the latest start among the ranks minus this
+rank's start: the time it spent waiting for the slowest rank to arrive.
+"""
+
+import atexit
+import contextlib
+import json
+import os
+import threading
+import time
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional
+
+from mpi4py import MPI
+
+__all__ = ["Event", "ON", "PATH_ENV", "span", "record", "begin", "end", "note_algorithm",
+           "recording", "flush", "chrome_trace", "enable", "disable", "now"]
+
+PATH_ENV = "MPISTRAT_TIMELINE"
+now = time.perf_counter
+
+
+class Event(NamedTuple):
+    """One recorded span: times in ``time.perf_counter`` seconds of its rank."""
+
+    name: str
+    category: str
+    start: float
+    end: float
+    nbytes: int
+    thread: int
+    args: Optional[Dict[str, Any]]
+
+
+#: True while events are recorded: the one test callers make on their hot path.
+ON = False
+_events: List[Event] = []
+_path: Optional[str] = None
+_algorithms: List[str] = []   # algorithms used by the collective now open (main thread)
+_lock = threading.Lock()
+
+
+def enable(path: Optional[str]) -> None:
+    """Start recording; ``flush`` (and the exit hook) write to ``path`` when given."""
+    global ON, _path
+    _path = path
+    ON = True
+
+
+def disable() -> None:
+    """Stop recording (events recorded so far are kept until the next ``flush``)."""
+    global ON
+    ON = False
+
+
+def record(name: str, category: str, start: float, end: float, nbytes: int = 0,
+           args: Optional[Dict[str, Any]] = None) -> None:
+    """Add one finished span (times from ``now()``)."""
+    if ON:
+        _events.append(Event(name, category, start, end, int(nbytes), threading.get_ident(),
+                             args))
+
+
+class _Span:
+    __slots__ = ("name", "category", "nbytes", "args", "start")
+
+    def __init__(self, name, category, nbytes, args):
+        self.name, self.category, self.nbytes, self.args = name, category, nbytes, args
+
+    def __enter__(self):
+        self.start = now()
+        return self
+
+    def __exit__(self, *exc):
+        record(self.name, self.category, self.start, now(), self.nbytes, self.args or None)
+        return False
+
+
+_NULL = contextlib.nullcontext()
+
+
+def span(name: str, category: str, nbytes: int = 0, **args):
+    """A context manager that records a span around its body (a shared no-op when off).
+
+    ``nbytes`` may be updated inside: ``with span(...) as s: s.nbytes = n``.
+    """
+    if not ON:
+        return _NULL
+    return _Span(name, category, nbytes, args)
+
+
+def begin() -> float:
+    """Start a collective: clears the algorithm notes; returns the start time."""
+    _algorithms.clear()
+    return now()
+
+
+def note_algorithm(name: str, nbytes: int, start: float) -> None:
+    """Called by a collective algorithm for each bucket it ran (a child span)."""
+    _algorithms.append(name)
+    record(name, "bucket", start, now(), nbytes)
+
+
+def end(name: str, start: float, nbytes: int, args: Dict[str, Any]) -> None:
+    """Finish a collective begun with ``begin``; the bucket algorithms join its args."""
+    if _algorithms:
+        args["algorithm"] = ",".join(sorted(set(_algorithms)))
+    record(name, "collective", start, now(), nbytes, args)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[List[Event]]:
+    """Record into a fresh list for the duration (tests, ad-hoc measurements)."""
+    global ON, _events
+    saved = ON, _events
+    _events = []
+    ON = True
+    try:
+        yield _events
+    finally:
+        ON, _events = saved
+
+
+# -- merging ------------------------------------------------------------------
+def chrome_trace(per_rank: List[List[Event]], offsets: List[float]) -> Dict[str, Any]:
+    """Chrome trace-event JSON of every rank's events (a pure function).
+
+    ``offsets[r]``: rank r's clock minus rank 0's. Collectives recorded with
+    the same ``(engine, seq)`` on several ranks get ``wait_us``.
+    """
+    aligned = [[(e, e.start - offsets[r], e.end - offsets[r]) for e in events]
+               for r, events in enumerate(per_rank)]
+    starts = [s for events in aligned for _, s, _ in events]
+    origin = min(starts) if starts else 0.0
+    latest: Dict[tuple, float] = {}
+    for events in aligned:
+        for e, s, _ in events:
+            if e.category == "collective" and e.args and "seq" in e.args:
+                key = (e.args.get("engine"), e.args["seq"])
+                latest[key] = max(latest.get(key, s), s)
+    trace: List[Dict[str, Any]] = []
+    for rank, events in enumerate(aligned):
+        trace.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+                      "args": {"name": f"rank {rank}"}})
+        threads: Dict[int, int] = {}
+        for e, s, t in events:
+            tid = threads.setdefault(e.thread, len(threads))
+            args = dict(e.args or {})
+            args["bytes"] = e.nbytes
+            if e.category == "collective" and "seq" in args:
+                args["wait_us"] = round((latest[(args.get("engine"), args["seq"])] - s) * 1e6, 3)
+            trace.append({"name": e.name, "cat": e.category, "ph": "X", "pid": rank, "tid": tid,
+                          "ts": round((s - origin) * 1e6, 3),
+                          "dur": round(max(t - s, 0.0) * 1e6, 3), "args": args})
+    return {"traceEvents": trace, "displayTimeUnit": "ms",
+            "otherData": {"producer": "mpistrat", "ranks": len(per_rank)}}
+
+
+def _wait(request, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1e-3)
+    return True
+
+
+def flush(path: Optional[str] = None, comm: Optional[MPI.Comm] = None,
+          timeout: float = 60.0) -> Optional[str]:
+    """Merge every rank's events into ``path`` (default: ``MPISTRAT_TIMELINE``) on rank 0.
+
+    Collective over ``comm`` (default: the library's private communicator, or
+    ``COMM_WORLD`` if no strategy was ever made). Returns the path written
+    on rank 0 (``None`` elsewhere). If some rank does not arrive within
+    ``timeout`` seconds, each rank writes its own ``path.rank<r>.json`` instead.
+    """
+    path = path or _path
+    if path is None:
+        raise ValueError(f"timeline.flush: no path given and {PATH_ENV} is not set")
+    if comm is None:
+        from mpistrat.runtime import world as _world  # made by the first strategy, if any
+        comm = _world._WORLD.comm if _world._WORLD is not None else MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    with _lock:
+        mine = list(_events)
+    arrived = _wait(comm.Ibarrier(), timeout)
+    if not arrived:  # some rank is gone: keep what this one has
+        single = chrome_trace([mine], [0.0])
+        _write(f"{path}.rank{rank}.json", single)
+        return None
+    clock = now()
+    everyone = comm.gather((clock, mine), root=0)
+    if rank != 0:
+        return None
+    base = everyone[0][0]
+    _write(path, chrome_trace([ev for _, ev in everyone], [c - base for c, _ in everyone]))
+    return path
+
+
+def _write(path: str, trace: Dict[str, Any]) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "w") as handle:
+        json.dump(trace, handle)
+    os.replace(temporary, path)
+
+
+def _flush_at_exit() -> None:
+    if _path and not MPI.Is_finalized():
+        try:
+            flush(_path, timeout=30.0)
+        except Exception as err:  # never turn a clean exit into a crash
+            print(f"[mpistrat] timeline: could not write {_path}: {err}")
+
+
+if os.environ.get(PATH_ENV, "").strip():
+    enable(os.environ[PATH_ENV].strip())
+    atexit.register(_flush_at_exit)

@@ -1,0 +1,147 @@
+"""Reproducible sums at 1-4 ranks: the same bits whatever the rank count, split or algorithm."""
+
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+import mpistrat as ms
+from mpistrat.collectives import CollectiveEngine
+from mpistrat.collectives.reproducible import from_fixed, grid_for, max_exponent, to_fixed
+from mpistrat.errors import InvalidArgumentError
+
+SEED = 20261201
+GLOBAL_ROWS = 29  # splits unevenly over 2, 3 and 4 ranks
+
+
+def global_batch():
+    """Per-example gradients with a wide dynamic range: float sums depend on the order."""
+    rng = np.random.default_rng(SEED)
+    scale = np.exp(rng.uniform(-12, 12, (GLOBAL_ROWS, 7, 5)))
+    return {"w": (rng.standard_normal((GLOBAL_ROWS, 7, 5)) * scale).astype(np.float32),
+            "b": rng.standard_normal((GLOBAL_ROWS, 3)).astype(np.float64) * 1e6,
+            "n": rng.integers(-50, 50, (GLOBAL_ROWS, 2)).astype(np.int64)}
+
+
+def my_rows(batch, rank, size):
+    """TensorFlow's rebatch split: ceil(B/N) rows per replica, the last ones short or empty."""
+    per = -(-GLOBAL_ROWS // size)
+    return {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
+
+
+def reference_sum(rows):
+    """The fixed-point sum of all rows at once, computed here on one process."""
+    e = max_exponent(rows)
+    wire, bits = grid_for(rows.dtype, e, rows.shape[0])
+    return from_fixed(to_fixed(rows, e, bits, wire, axis=0), e, bits, rows.dtype)
+
+
+def deterministic_strategy():
+    return ms.MultiWorkerMirroredStrategy(
+        communication_options=ms.CommunicationOptions(deterministic=True))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_reduce_sum_along_batch_has_the_same_bits_at_any_rank_count(world):
+    strategy = deterministic_strategy()
+    batch = global_batch()
+    mine = my_rows(batch, world.rank, world.size)
+    out = strategy.reduce("SUM", mine, axis=0)
+    for key in ("w", "b"):
+        want = reference_sum(batch[key])
+        assert out[key].dtype == batch[key].dtype
+        assert out[key].tobytes() == want.tobytes(), key
+        np.testing.assert_allclose(out[key], batch[key].astype(np.float64).sum(0), rtol=1e-5)
+    np.testing.assert_array_equal(out["n"], batch["n"].sum(0))
+    digest = hashlib.sha256(b"".join(out[k].tobytes() for k in ("b", "n", "w"))).hexdigest()
+    where = os.environ.get("MPISTRAT_REPRO_DIR")  # scripts/test.sh compares runs at 1-4 ranks
+    if where and world.rank == 0:
+        os.makedirs(where, exist_ok=True)
+        with open(os.path.join(where, f"seed{SEED}.np{world.size}.sha256"), "w") as handle:
+            handle.write(digest + "\n")
+    if world.size > 1:  # the ordinary sum of the same rows does depend on the split
+        plain = ms.MultiWorkerMirroredStrategy().reduce("SUM", {"w": mine["w"]}, axis=0)["w"]
+        ordered = np.sum(batch["w"], axis=0)
+        assert plain.tobytes() != out["w"].tobytes() or ordered.tobytes() != out["w"].tobytes()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_mean_along_batch_divides_the_exact_sum_by_all_rows(world):
+    strategy = deterministic_strategy()
+    batch = global_batch()
+    out = strategy.reduce("MEAN", my_rows(batch, world.rank, world.size), axis=0)
+    assert out["w"].tobytes() == (reference_sum(batch["w"]) / GLOBAL_ROWS).tobytes()
+
+
+def rank_values(rank):
+    rng = np.random.default_rng(SEED + rank)
+    return (rng.standard_normal(300_000) * np.exp(rng.uniform(-20, 20, 300_000))).astype(np.float32)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_element_wise_sum_is_the_same_whatever_the_algorithm_and_fusion(world):
+    mine = rank_values(world.rank)                              # 1.2 MB: the ring algorithm
+    every = np.stack([rank_values(r) for r in range(world.size)])
+    want = reference_sum(every)
+    engine = CollectiveEngine(world.comm, ms.CommunicationOptions(deterministic=True))
+    whole = engine.all_reduce(mine, "SUM")
+    assert whole.tobytes() == want.tobytes()
+    pieces = np.array_split(mine, 300)                         # 4 KB pieces: fused, MPI's own
+    fused = CollectiveEngine(world.comm, ms.CommunicationOptions(deterministic=True,
+                                                                 bytes_per_pack=64 << 10))
+    out = fused.all_reduce(pieces, "SUM")
+    # each piece has its own scale, so compare each piece with its own reference
+    every_pieces = [np.array_split(row, 300) for row in every]
+    for k, piece in enumerate(out):
+        ref = reference_sum(np.stack([p[k] for p in every_pieces]))
+        assert piece.tobytes() == ref.tobytes()
+    mean = engine.all_reduce([mine, np.float64(world.rank)], "MEAN")
+    assert mean[0].tobytes() == (want / np.float32(world.size)).tobytes()
+    assert mean[1] == sum(range(world.size)) / world.size
+
+
+@pytest.mark.mpi(min_size=1)
+def test_per_call_option_and_environment_switch_it_on(world, monkeypatch):
+    plain = CollectiveEngine(world.comm)
+    assert not plain.is_deterministic()
+    assert plain.is_deterministic(ms.CommunicationOptions(deterministic=True))
+    monkeypatch.setenv("MPISTRAT_DETERMINISTIC", "1")
+    engine = CollectiveEngine(world.comm)
+    assert engine.is_deterministic()
+    every = np.stack([rank_values(r)[:1000] for r in range(world.size)])
+    out = engine.all_reduce(rank_values(world.rank)[:1000], "SUM")
+    assert out.tobytes() == reference_sum(every).tobytes()
+    ctx_out = ms.MultiWorkerMirroredStrategy().run(
+        lambda x: ms.get_replica_context().all_reduce("SUM", x),
+        args=(rank_values(world.rank)[:1000],))
+    assert ctx_out.tobytes() == out.tobytes()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_nan_and_zero_tensors(world):
+    engine = CollectiveEngine(world.comm, ms.CommunicationOptions(deterministic=True))
+    poisoned = np.ones(4, np.float32)
+    if world.rank == world.size - 1:
+        poisoned[2] = np.nan
+    out = engine.all_reduce([poisoned, np.zeros(3), np.ones(2, np.int32)], "SUM")
+    assert np.isnan(out[0][2]) and out[0][0] == world.size
+    assert out[1].dtype == np.float64 and not out[1].any()
+    np.testing.assert_array_equal(out[2], [world.size] * 2)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_disagree_on_determinism_raise_together(world):
+    options = ms.CommunicationOptions(deterministic=world.rank == 0)
+    engine = CollectiveEngine(world.comm)
+    with pytest.raises(InvalidArgumentError, match="different collectives"):
+        engine.all_reduce(np.ones(3), "SUM", options)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_timed_deterministic_sum(world):
+    engine = CollectiveEngine(world.comm, ms.CommunicationOptions(deterministic=True,
+                                                                  timeout_seconds=30.0))
+    every = np.stack([rank_values(r)[:500] for r in range(world.size)])
+    out = engine.all_reduce(rank_values(world.rank)[:500], "SUM")
+    assert out.tobytes() == reference_sum(every).tobytes()

@@ -1,0 +1,25 @@
+"""Pure parts of the fused path: runs of equal shapes and the cached plan."""
+
+import numpy as np
+
+from mpistrat.collectives.packing import FusedPlan, runs_of, wire_dtype
+
+
+def test_runs_group_consecutive_equal_shapes_only():
+    assert runs_of([0, 1, 2, 5], [(4,), (4,), (2, 2), (4,)], [4, 4, 4, 4]) == [
+        (0, 2, (4,), 0, 8), (2, 1, (2, 2), 8, 12), (5, 1, (4,), 12, 16)]
+    assert runs_of([3, 4], [(1,), (1,)], [1, 1]) == [(3, 2, (1,), 0, 2)]
+    assert runs_of([], [], []) == []
+
+
+def test_plan_buckets_runs_and_conversions():
+    f4, f2, b = np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.bool_)
+    signature = [(f4, (256,))] * 3 + [(f2, (256,)), (b, (3,)), (f4, (1 << 20,))]
+    plan = FusedPlan(signature, 4 << 20)
+    fused = [bk for bk in plan.buckets if bk.fused]
+    alone = [bk for bk in plan.buckets if not bk.fused]
+    assert [bk.indices for bk in fused] == [(0, 1, 2, 3)]     # float16 travels as float32
+    assert fused[0].converts and fused[0].span == (0, 4)
+    assert [r[:3] for r in fused[0].runs] == [(0, 3, (256,)), (3, 1, (256,))]
+    assert [bk.indices for bk in alone] == [(4,), (5,)] and plan.has_bool
+    assert wire_dtype(b) == np.uint8 and wire_dtype(f2) == np.float32 and wire_dtype(f4) == f4

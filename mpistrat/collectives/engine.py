@@ -76,8 +76,11 @@ def _signature(arrays) -> tuple:
     signature = tuple(map(_DTYPE_SHAPE, arrays))
     if set(map(type, arrays)) <= _NDARRAY_ONLY:
         return signature
-    return tuple((dtype if type(a) is np.ndarray else f"{np.dtype(dtype).str}@{array_kind(a)}",
-                  tuple(shape)) for a, (dtype, shape) in zip(arrays, signature))
+    kinds = [array_kind(a) for a in arrays]
+    if all(kind == "numpy" for kind in kinds):
+        return signature
+    return tuple((dtype if kind == "numpy" else f"{np.dtype(dtype).str}@{kind}", tuple(shape))
+                 for kind, (dtype, shape) in zip(kinds, signature))
 
 
 def _dtype_key(array) -> str:

@@ -35,7 +35,7 @@ from mpistrat.checkpoint.state_file import STATE_FILE, CheckpointState, read_sta
 from mpistrat.collectives import CollectiveEngine
 from mpistrat.errors import DataLossError, NotFoundError
 from mpistrat.distribute.variables import Variable
-from mpistrat.runtime import get_world
+from mpistrat.runtime import get_world, timeline
 
 __all__ = ["Checkpoint", "CheckpointOptions", "CheckpointLoadStatus", "latest_checkpoint"]
 
@@ -251,7 +251,9 @@ class Checkpoint:
         for name, entry in wanted.items():
             _check_compatible(slots[name], entry, name, final)
         matched = set()
-        with Reader(wanted, engine) as reader:
+        with timeline.span("checkpoint restore", "checkpoint", file=os.path.basename(final),
+                           nbytes=sum(e.nbytes for e in wanted.values())), \
+                Reader(wanted, engine) as reader:
             for batch in _read_batches(wanted):  # read, verify, apply: old values freed as we go
                 matched |= self._apply(slots, read_values(final, reader, batch), final)
         # values without an object yet are read when one is attached (never before)
@@ -352,6 +354,12 @@ class _SaveJob:
         self.on_success, self.on_failure = on_success, on_failure
 
     def run(self) -> None:
+        nbytes = sum(v.nbytes for v in self.values.values())
+        with timeline.span("checkpoint save", "checkpoint", nbytes=nbytes,
+                           file=os.path.basename(data_file(self.path))):
+            self._run()
+
+    def _run(self) -> None:
         try:
             write_file(data_file(self.path), self.values, self.kinds, self.engine)
             failure = None

@@ -51,6 +51,7 @@ from mpistrat.distribute.context import InputContext
 from mpistrat.distribute.options import InputOptions
 from mpistrat.distribute.strategy import register_input_distribution
 from mpistrat.distribute.values import PerReplica
+from mpistrat.runtime import timeline
 
 __all__ = ["DistributedDataset", "DistributedIterator", "distribute_dataset", "distribute_datasets_from_function"]
 
@@ -130,6 +131,12 @@ class DistributedIterator:
             return _END, Failure(err, self._engine.rank, "reading its input")
 
     def _advance(self) -> PerReplica:
+        if timeline.ON:
+            with timeline.span("dataset step", "data", step=self._steps):
+                return self._step()
+        return self._step()
+
+    def _step(self) -> PerReplica:
         element, failure = self._next_local()
         if self._static:  # full batches only: stop when any rank has none left
             # ranks without a batch and ranks that failed, counted by a float SUM: it

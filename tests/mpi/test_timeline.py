@@ -81,3 +81,29 @@ def test_chrome_trace_is_a_pure_merge_with_clock_offsets():
     assert x[0]["ts"] == 0.0 and x[1]["ts"] == pytest.approx(0.2e6)
     assert x[0]["args"]["wait_us"] == pytest.approx(0.2e6) and x[1]["args"]["wait_us"] == 0
     assert x[1]["tid"] == 0 and trace["displayTimeUnit"] == "ms"
+
+
+@pytest.mark.mpi(min_size=1)
+def test_checkpoint_saves_restores_and_dataset_steps_are_on_the_timeline(world, strategy):
+    directory = world.comm.bcast(tempfile.mkdtemp() if world.rank == 0 else None, root=0)
+    path = world.comm.bcast(os.path.join(directory, "trace.json") if world.rank == 0 else None,
+                            root=0)
+    ckpt = ms.Checkpoint(w=ms.Variable(np.arange(1000.0)))
+    dataset = ms.data.Dataset.range(12).batch(4)
+    with timeline.recording():
+        saved = ckpt.save(os.path.join(directory, "ckpt"))
+        ckpt.restore(saved)
+        steps = sum(1 for _ in strategy.experimental_distribute_dataset(dataset))
+        timeline.flush(path, comm=world.comm)
+    if world.rank != 0:
+        return
+    with open(path) as handle:
+        events = [e for e in json.load(handle)["traceEvents"] if e["ph"] == "X"]
+    for rank in range(world.size):
+        mine = [e for e in events if e["pid"] == rank]
+        checkpoint = {e["name"]: e for e in mine if e["cat"] == "checkpoint"}
+        assert checkpoint["checkpoint save"]["args"]["file"] == "ckpt-1.h5"
+        assert checkpoint["checkpoint save"]["args"]["bytes"] >= 8000
+        assert checkpoint["checkpoint restore"]["args"]["bytes"] >= 8000
+        data = [e for e in mine if e["cat"] == "data"]
+        assert [e["args"]["step"] for e in data] == list(range(steps + 1))  # + the last check

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 import mpistrat as ms
+from mpistrat.collectives.algorithms import choose_algorithm
+from mpistrat.collectives.topology import comm_topology
 from mpistrat.runtime import timeline
 
 
@@ -18,7 +20,10 @@ def test_flush_merges_every_ranks_collectives_into_one_chrome_trace(world, strat
         path = os.path.join(tempfile.mkdtemp(), "trace.json")
     path = world.comm.bcast(path, root=0)
     small = [np.full(64, float(world.rank), np.float32) for _ in range(10)]
-    big = np.ones(600_000, np.float32)  # 2.4 MB: the ring algorithm
+    big = np.ones(600_000, np.float32)  # 2.4 MB: the ring on one node
+    expected_big = choose_algorithm(big.nbytes, world.size, topology=comm_topology(world.comm))
+    assert expected_big == ("ring" if world.size > 1 and world.num_nodes == 1 else
+                            expected_big)
     with timeline.recording():
         strategy.reduce("SUM", small, axis=None)
         strategy.extended.engine.all_reduce(big, "SUM")
@@ -45,7 +50,7 @@ def test_flush_merges_every_ranks_collectives_into_one_chrome_trace(world, strat
         assert first["args"]["backend"] == "host-mpi"
         assert first["args"]["algorithm"] == "mpi"
         assert second["args"]["bytes"] == big.nbytes
-        assert second["args"]["algorithm"] == ("ring" if world.size > 1 else "mpi")
+        assert second["args"]["algorithm"] == expected_big  # by size and topology
         for e in collectives:
             assert e["dur"] >= 0 and e["ts"] >= 0 and e["args"]["wait_us"] >= 0
             assert e["args"]["ranks"] == world.size

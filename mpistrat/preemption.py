@@ -26,7 +26,6 @@ meets the training collectives.
 """
 
 import atexit
-import os
 import signal
 import sys
 import threading

@@ -16,26 +16,23 @@ Every call is collective: all ranks save and restore together.
 """
 
 import os
-import time
-import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 from mpi4py import MPI
 
 from mpistrat.checkpoint import writer
-from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
-from mpistrat.checkpoint.files import (data_file, local_view, missing_hint, remove_leftovers,
-                                       state_name)
+from mpistrat.checkpoint.directory import (io_engine, latest_checkpoint, prepare_directory,
+                                           record_latest)
+from mpistrat.checkpoint.files import data_file, local_view, missing_hint
 from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots
 from mpistrat.checkpoint.h5read import Reader, read_catalog, read_entry, read_values
 from mpistrat.checkpoint.h5write import write_file
-from mpistrat.checkpoint.state_file import STATE_FILE, CheckpointState, read_state, write_state
-from mpistrat.collectives import CollectiveEngine
-from mpistrat.errors import DataLossError, NotFoundError
+from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.distribute.variables import Variable
-from mpistrat.runtime import get_world, timeline
+from mpistrat.errors import NotFoundError
+from mpistrat.runtime import timeline
 
 __all__ = ["Checkpoint", "CheckpointOptions", "CheckpointLoadStatus", "latest_checkpoint"]
 
@@ -51,16 +48,6 @@ class CheckpointOptions:
     @property
     def asynchronous(self) -> bool:
         return self.enable_async or self.experimental_enable_async_checkpoint
-
-
-_IO_ENGINE: list = []
-
-
-def _io_engine() -> CollectiveEngine:
-    """The checkpoint engine, on its own communicator (so async writes never meet training)."""
-    if not _IO_ENGINE:
-        _IO_ENGINE.append(CollectiveEngine(get_world().new_comm("mpistrat-checkpoint")))
-    return _IO_ENGINE[0]
 
 
 class CheckpointLoadStatus:
@@ -178,7 +165,7 @@ class Checkpoint:
         previous = int(self.save_counter.numpy())
         self.save_counter.assign_add(1)
         path = f"{os.fspath(file_prefix)}-{previous + 1}"
-        return self._write(path, options, on_commit=lambda: _record_latest(path),
+        return self._write(path, options, on_commit=lambda: record_latest(path),
                            on_failure=lambda: self.save_counter.assign(previous))
 
     def _write(self, path: str, options, on_commit=None, on_success=None,
@@ -188,8 +175,8 @@ class Checkpoint:
         try:
             self.sync()
             writer.wait_idle()
-            engine = _io_engine()
-            _prepare_directory(os.path.dirname(path) or ".", engine, path)
+            engine = io_engine()
+            prepare_directory(os.path.dirname(path) or ".", engine, path)
             slots = collect_slots(self._named())
             asynchronous = options is not None and options.asynchronous
             if asynchronous and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -240,7 +227,7 @@ class Checkpoint:
             return InitializationOnlyStatus()
         self.sync()
         writer.wait_idle()
-        engine = _io_engine()
+        engine = io_engine()
         path = os.fspath(save_path)
         final = data_file(path)
         if agree_view(engine, local_view(final), final) != "file":
@@ -312,20 +299,6 @@ def _read_batches(catalog) -> List[List[str]]:
     return [b for b in batches if b]
 
 
-def _prepare_directory(directory: str, engine: CollectiveEngine, path: str) -> None:
-    """Rank 0 creates ``directory`` and removes our leftovers; every rank must then see it."""
-    failure = None
-    if engine.rank == 0:
-        try:
-            os.makedirs(directory, exist_ok=True)
-        except OSError as err:
-            failure = Failure(err, 0, f"preparing {directory}")
-        else:
-            remove_leftovers(directory)  # best effort: warns about what it cannot delete
-    agree_errors(engine, failure, f"saving checkpoint {path}")
-    agree_view(engine, local_view(directory), f"checkpoint directory {directory}")
-
-
 _NUMBER_DTYPES = {"int": "iu", "float": "fiu", "bool": "b"}
 
 
@@ -376,73 +349,3 @@ class _SaveJob:
             raise
         if self.on_success is not None:
             self.on_success()
-
-
-def read_kept(directory: str) -> Tuple[Optional[str], List[Tuple[str, float]], float]:
-    """This rank's reading of the state file: latest name, kept ``(name, time)``, preserved time.
-
-    Names are validated (``files.state_name``): any that would lead outside the
-    directory is ignored with a warning, never read or deleted; names whose
-    file is missing are dropped.
-    """
-    state = read_state(directory)
-    if state is None:
-        return None, [], 0.0
-    kept, refused = [], []
-    times = state.all_model_checkpoint_timestamps
-    for index, raw in enumerate(state.all_model_checkpoint_paths):
-        name = state_name(directory, raw)
-        if name is None:
-            refused.append(raw)
-        elif os.path.isfile(data_file(os.path.join(directory, name))):
-            kept.append((name, times[index] if index < len(times) else 0.0))
-    latest = state_name(directory, state.model_checkpoint_path) if state.model_checkpoint_path \
-        else None
-    if state.model_checkpoint_path and latest is None:
-        refused.append(state.model_checkpoint_path)
-    if latest is not None and not os.path.isfile(data_file(os.path.join(directory, latest))):
-        latest = None
-    if refused:
-        warnings.warn(f"the checkpoint state file in {directory} names paths outside the "
-                      f"directory; ignored: {refused}", RuntimeWarning, stacklevel=3)
-    return latest, kept, state.last_preserved_timestamp
-
-
-def _record_latest(path: str) -> None:
-    """Name ``path`` as the latest checkpoint, keeping the others listed."""
-    directory, name = os.path.split(path)
-    directory = directory or "."
-    _, kept, preserved = read_kept(directory)  # a file that is not a state file is refused
-    times = dict(kept)
-    times.pop(name, None)
-    times[name] = time.time()
-    write_state(directory, CheckpointState(name, list(times), list(times.values()), preserved))
-
-
-def agreed_state(directory: str, engine: CollectiveEngine):
-    """``read_kept(directory)`` as every rank sees it; ranks that see differently raise."""
-    writer.wait_idle()
-    try:
-        view = ("ok",) + read_kept(directory)
-    except DataLossError as err:
-        view = ("error", str(err))
-    agree_view(engine, view, f"checkpoint directory {directory}")
-    if view[0] == "error":
-        raise DataLossError(view[1])
-    return view[1:]
-
-
-def latest_checkpoint(checkpoint_dir: str, latest_filename: Optional[str] = None) -> Optional[str]:
-    """The path of the newest complete checkpoint in ``checkpoint_dir``, or ``None``.
-
-    Collective, like every checkpoint call: each rank reads the state file and
-    the ranks agree, so ranks that see different directories (node-local
-    storage) raise ``NotFoundError`` together, naming what each saw. It waits
-    for an async save in flight first, so all ranks answer alike.
-    """
-    if latest_filename not in (None, STATE_FILE):
-        raise ValueError(f"latest_filename={latest_filename!r}: only the default state file "
-                         f"name {STATE_FILE!r} is supported")
-    directory = os.fspath(checkpoint_dir)
-    latest, _, _ = agreed_state(directory, _io_engine())
-    return os.path.join(directory, latest) if latest is not None else None

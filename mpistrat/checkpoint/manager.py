@@ -14,7 +14,8 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from mpistrat.checkpoint import writer
-from mpistrat.checkpoint.checkpoint import Checkpoint, CheckpointOptions, _io_engine, agreed_state
+from mpistrat.checkpoint.checkpoint import Checkpoint, CheckpointOptions
+from mpistrat.checkpoint.directory import agreed_state, io_engine
 from mpistrat.checkpoint.files import remove_checkpoint
 from mpistrat.checkpoint.state_file import CheckpointState, write_state
 
@@ -51,7 +52,7 @@ class CheckpointManager:
         self._interval = checkpoint_interval
         self._init_fn = init_fn
         self._last_saved_step: Optional[int] = None
-        latest, kept, preserved = agreed_state(self._directory, _io_engine())
+        latest, kept, preserved = agreed_state(self._directory, io_engine())
         self._kept: Dict[str, float] = {os.path.join(self._directory, n): t for n, t in kept}
         if latest is not None:  # the latest comes last, as in the state file TensorFlow writes
             path = os.path.join(self._directory, latest)

@@ -1,0 +1,126 @@
+"""A checkpoint directory as every rank sees it: its state file, its latest checkpoint.
+
+Every decision about the directory is taken by each rank and agreed
+(``collectives.agreement``), so ranks that see different directories (node-local
+storage) raise together, naming what each saw. Names from the state file are
+confined to the directory (``files.state_name``): nothing outside it is read or
+deleted.
+
+    >>> import numpy as np, tempfile, mpistrat as ms
+    >>> from mpistrat.checkpoint.directory import latest_checkpoint
+    >>> run = tempfile.mkdtemp()
+    >>> latest_checkpoint(run) is None
+    True
+    >>> path = ms.Checkpoint(w=ms.Variable(np.zeros(2))).save(run + "/ckpt")
+    >>> latest_checkpoint(run) == path
+    True
+"""
+
+import os
+import time
+import warnings
+from typing import List, Optional, Tuple
+
+from mpistrat.checkpoint import writer
+from mpistrat.checkpoint.files import data_file, local_view, remove_leftovers, state_name
+from mpistrat.checkpoint.state_file import STATE_FILE, CheckpointState, read_state, write_state
+from mpistrat.collectives import CollectiveEngine
+from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+from mpistrat.errors import DataLossError
+from mpistrat.runtime import get_world
+
+__all__ = ["io_engine", "prepare_directory", "read_kept", "record_latest", "agreed_state",
+           "latest_checkpoint"]
+
+_IO_ENGINE: list = []
+
+
+def io_engine() -> CollectiveEngine:
+    """The checkpoint engine, on its own communicator (so async writes never meet training)."""
+    if not _IO_ENGINE:
+        _IO_ENGINE.append(CollectiveEngine(get_world().new_comm("mpistrat-checkpoint")))
+    return _IO_ENGINE[0]
+
+
+def prepare_directory(directory: str, engine: CollectiveEngine, path: str) -> None:
+    """Rank 0 creates ``directory`` and removes our leftovers; every rank must then see it."""
+    failure = None
+    if engine.rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as err:
+            failure = Failure(err, 0, f"preparing {directory}")
+        else:
+            remove_leftovers(directory)  # best effort: warns about what it cannot delete
+    agree_errors(engine, failure, f"saving checkpoint {path}")
+    agree_view(engine, local_view(directory), f"checkpoint directory {directory}")
+
+
+def read_kept(directory: str) -> Tuple[Optional[str], List[Tuple[str, float]], float]:
+    """This rank's reading of the state file: latest name, kept ``(name, time)``, preserved time.
+
+    Names are validated (``files.state_name``): any that would lead outside the
+    directory is ignored with a warning, never read or deleted; names whose
+    file is missing are dropped.
+    """
+    state = read_state(directory)
+    if state is None:
+        return None, [], 0.0
+    kept, refused = [], []
+    times = state.all_model_checkpoint_timestamps
+    for index, raw in enumerate(state.all_model_checkpoint_paths):
+        name = state_name(directory, raw)
+        if name is None:
+            refused.append(raw)
+        elif os.path.isfile(data_file(os.path.join(directory, name))):
+            kept.append((name, times[index] if index < len(times) else 0.0))
+    latest = state_name(directory, state.model_checkpoint_path) if state.model_checkpoint_path \
+        else None
+    if state.model_checkpoint_path and latest is None:
+        refused.append(state.model_checkpoint_path)
+    if latest is not None and not os.path.isfile(data_file(os.path.join(directory, latest))):
+        latest = None
+    if refused:
+        warnings.warn(f"the checkpoint state file in {directory} names paths outside the "
+                      f"directory; ignored: {refused}", RuntimeWarning, stacklevel=3)
+    return latest, kept, state.last_preserved_timestamp
+
+
+def record_latest(path: str) -> None:
+    """Name ``path`` as the latest checkpoint, keeping the others listed."""
+    directory, name = os.path.split(path)
+    directory = directory or "."
+    _, kept, preserved = read_kept(directory)  # a file that is not a state file is refused
+    times = dict(kept)
+    times.pop(name, None)
+    times[name] = time.time()
+    write_state(directory, CheckpointState(name, list(times), list(times.values()), preserved))
+
+
+def agreed_state(directory: str, engine: CollectiveEngine):
+    """``read_kept(directory)`` as every rank sees it; ranks that see differently raise."""
+    writer.wait_idle()
+    try:
+        view = ("ok",) + read_kept(directory)
+    except DataLossError as err:
+        view = ("error", str(err))
+    agree_view(engine, view, f"checkpoint directory {directory}")
+    if view[0] == "error":
+        raise DataLossError(view[1])
+    return view[1:]
+
+
+def latest_checkpoint(checkpoint_dir: str, latest_filename: Optional[str] = None) -> Optional[str]:
+    """The path of the newest complete checkpoint in ``checkpoint_dir``, or ``None``.
+
+    Collective, like every checkpoint call: each rank reads the state file and
+    the ranks agree, so ranks that see different directories (node-local
+    storage) raise ``NotFoundError`` together, naming what each saw. It waits
+    for an async save in flight first, so all ranks answer alike.
+    """
+    if latest_filename not in (None, STATE_FILE):
+        raise ValueError(f"latest_filename={latest_filename!r}: only the default state file "
+                         f"name {STATE_FILE!r} is supported")
+    directory = os.fspath(checkpoint_dir)
+    latest, _, _ = agreed_state(directory, io_engine())
+    return os.path.join(directory, latest) if latest is not None else None

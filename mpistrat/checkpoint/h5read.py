@@ -7,8 +7,8 @@ part-file mapping, bytes that lie inside the file) and agrees on the result:
 a file that differs between ranks, or that fails on one, raises on all.
 ``read_values`` then reads each value straight into one buffer of its final
 shape: small values whole on every rank; large ones as contiguous runs of
-partitions, one run per rank, checksummed in worker threads while the next
-run is read, then completed in place by a broadcast of each run (no second copy).
+partitions, one run per node (the ranks of a node share its page cache), checksummed in
+worker threads, then completed in place by a broadcast of each run (no second copy).
 Nothing is ever unpickled, and HDF5 external storage or foreign virtual
 datasets are refused, so a crafted file cannot make us read other files.
 """
@@ -34,6 +34,7 @@ from mpistrat.checkpoint.validate import (MAX_PARTITIONS, check_checksums, check
                                           check_extent, check_kind, check_partitions)
 from mpistrat.collectives import CollectiveEngine
 from mpistrat.errors import DataLossError, NotFoundError
+from mpistrat.runtime import get_world
 
 __all__ = ["Entry", "Reader", "read_catalog", "read_values", "read_entry", "SMALL_BYTES"]
 
@@ -223,6 +224,13 @@ class Reader:
         self.catalog, self.engine = catalog, engine
         self.pool = ThreadPoolExecutor(max_workers=2)  # zlib releases the GIL
         self._fds: Dict[str, int] = {}
+        # Reading is shared among nodes, not ranks: the ranks of a node share its page cache,
+        # so each reads its node's run (one read from the file system per node); the first
+        # rank of each node then broadcasts that run to the other nodes.
+        world = get_world()
+        self.node, self.nodes = world.node_index, world.num_nodes
+        leaders = engine.comm.allgather(self.node if world.local_rank == 0 else None)
+        self.roots = [leaders.index(n) for n in range(self.nodes)] if engine.size > 1 else [0]
 
     def __enter__(self) -> "Reader":
         for path in sorted(self.catalog):  # our byte ranges, read ahead while we work
@@ -241,14 +249,15 @@ class Reader:
             os.close(fd)
 
     def split(self, entry: Entry) -> bool:
-        """Whether the ranks share the reading of ``entry`` (the same answer on every rank)."""
-        return entry.nbytes >= SMALL_BYTES and bool(entry.shape) and self.engine.size > 1
+        """Whether the nodes share the reading of ``entry`` (the same answer on every rank)."""
+        return entry.nbytes >= SMALL_BYTES and bool(entry.shape) and self.nodes > 1
 
     def run(self, entry: Entry) -> Tuple[int, int]:
-        """The partitions this rank reads: all of a small value, one run of a large one."""
+        """The partitions this rank reads: all of a small value (or of any value when all
+        ranks share one node), its node's run of a large one."""
         if not self.split(entry):
             return 0, len(entry.partitions)
-        return read_runs(len(entry.partitions), self.engine.size)[self.engine.rank]
+        return read_runs(len(entry.partitions), self.nodes)[self.node]
 
     def fd(self, path: str) -> int:
         fd = self._fds.get(path)
@@ -317,8 +326,8 @@ def read_values(final: str, reader: Reader, paths) -> Dict[str, np.ndarray]:
     except OSError as err:
         failure = Failure(DataLossError(f"reading {final}: {err}"), engine.rank)
     agree_errors(engine, failure, f"restoring {final}")
-    for path in large:  # every rank read one run of partitions; complete them in place
-        _all_gather_rows(values[path], catalog[path], engine)
+    for path in large:  # every node read one run of partitions; complete them in place
+        _all_gather_rows(values[path], catalog[path], engine, reader)
     return values
 
 
@@ -328,6 +337,7 @@ class _LocalReader(Reader):
     def __init__(self):
         self.pool = ThreadPoolExecutor(max_workers=1)
         self._fds: Dict[str, int] = {}
+        self.node, self.nodes = 0, 1
 
     def __enter__(self) -> "_LocalReader":
         return self
@@ -347,20 +357,21 @@ def read_entry(entry: Entry) -> np.ndarray:
     return dest
 
 
-def _all_gather_rows(dest: np.ndarray, entry: Entry, engine: CollectiveEngine) -> None:
-    """Complete ``dest`` in place: each rank's run of rows goes to every other rank.
+def _all_gather_rows(dest: np.ndarray, entry: Entry, engine: CollectiveEngine,
+                     reader: Reader) -> None:
+    """Complete ``dest`` in place: each node's run of rows goes to every rank.
 
-    One broadcast per rank that read something (Open MPI 4.1's in-place
-    ``Allgatherv`` hung here when some ranks contributed no rows); rows travel
-    as a contiguous datatype, so counts stay small for any size.
+    One broadcast per node that read something, from its first rank (Open MPI
+    4.1's in-place ``Allgatherv`` hung here when some ranks contributed no
+    rows); rows travel as a contiguous datatype, so counts stay small.
     """
     flat = dest.reshape(-1).view(np.uint8)
     rowtype = MPI.BYTE.Create_contiguous(entry.row_bytes).Commit()
     try:
-        for root, (a, b) in enumerate(read_runs(len(entry.partitions), engine.size)):
+        for node, (a, b) in enumerate(read_runs(len(entry.partitions), reader.nodes)):
             if b > a:
                 first, stop = entry.partitions[a][0], entry.partitions[b - 1][1]
                 block = flat[first * entry.row_bytes:stop * entry.row_bytes]
-                engine.comm.Bcast([block, stop - first, rowtype], root=root)
+                engine.comm.Bcast([block, stop - first, rowtype], root=reader.roots[node])
     finally:
         rowtype.Free()

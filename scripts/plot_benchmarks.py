@@ -45,7 +45,7 @@ def ratio_fields(record: dict):
 def plot(name: str, rows: list, out_dir: str) -> str:
     fields = sorted({f for r in rows for f in ratio_fields(r)})
     labels = [label_of(r) for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows) * max(len(fields), 1)), 4.2))
+    fig, ax = plt.subplots(figsize=(min(16, max(6, 0.4 * len(rows) * max(len(fields), 1))), 4.8))
     width = 0.8 / max(len(fields), 1)
     for i, field in enumerate(fields):
         xs = [x + i * width for x in range(len(rows))]

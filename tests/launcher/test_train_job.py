@@ -92,7 +92,8 @@ def test_same_global_batch_gives_the_same_model_at_any_rank_count(data, referenc
     # each rank read only its own rows of every batch (MPI-IO, DATA sharding): together, the
     # training file's rows exactly once per epoch
     read = {}
-    for rank, count in re.findall(r"^\[rank (\d+)\] read ([\d,]+) bytes", output, re.M):
+    # (not anchored at a line start: rank 0's progress bar may precede a line on the same one)
+    for rank, count in re.findall(r"\[rank (\d+)\] read ([\d,]+) bytes", output):
         read[rank] = max(read.get(rank, 0), int(count.replace(",", "")))
     assert len(read) == ranks and sum(read.values()) == 2 * 1437 * 65 * 4, read
     assert max(read.values()) <= 2 * 1437 * 65 * 4 / ranks + 2 * 23 * 65 * 4, read

@@ -45,9 +45,10 @@ ALGORITHMS = ("auto", "mpi", "ring", "hierarchical", "reduce_broadcast")
 # MPISTRAT_RING_THRESHOLD; a negative value turns the ring off).
 RING_THRESHOLD_BYTES = int(os.environ.get("MPISTRAT_RING_THRESHOLD", str(1 << 20)))
 # Across nodes, buffers of at least this many bytes take the hierarchical algorithm; smaller
-# ones MPI's own, which won at 1 MiB on simulated nodes (docs/benchmarks.md).
+# ones MPI's own: on real namespace hosts (2 x 2) hierarchical ran 0.64-0.77x raw at 64 MiB but
+# 0.95-1.19x at 16 MiB, where both send the minimum bytes (docs/benchmarks.md).
 HIERARCHICAL_THRESHOLD_BYTES = int(os.environ.get("MPISTRAT_HIERARCHICAL_THRESHOLD",
-                                                  str(4 << 20)))
+                                                  str(32 << 20)))
 _RING_TAG = 0x7269
 
 _COMBINE = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add,

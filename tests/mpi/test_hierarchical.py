@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpistrat.collectives.algorithms import HIERARCHICAL_THRESHOLD_BYTES
 from mpistrat.collectives.backends import hierarchical
 from mpistrat.collectives.backends.host import host_allreduce as chosen_allreduce
 from mpistrat.collectives.deadline import Deadline
@@ -64,7 +65,8 @@ def test_engine_picks_hierarchical_where_the_topology_asks(comm):
     assert topology.nodes == tuple(np.unique(
         comm.allgather(world.node_index), return_inverse=True)[1].tolist()) or \
         topology.num_nodes == world.num_nodes
-    send = np.full(1 << 19, float(comm.Get_rank() + 1))   # 4 MiB: above the ring threshold
+    send = np.full(HIERARCHICAL_THRESHOLD_BYTES // 8, float(comm.Get_rank() + 1))  # at both
+    # thresholds (ring and hierarchical)
     recv = np.empty_like(send)
     used = chosen_allreduce(comm, send, recv, ReduceOp.SUM, None)
     size = comm.Get_size()

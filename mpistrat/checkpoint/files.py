@@ -155,7 +155,7 @@ def remove_checkpoint(prefix: str, keep_token: Optional[str] = None) -> List[str
     return removed
 
 
-def remove_leftovers(directory: str, keep_tokens: Iterable[str] = ()) -> List[str]:
+def remove_leftovers(directory: str) -> List[str]:
     """Delete what torn saves left in ``directory``: our temporary files and orphaned parts.
 
     A file is deleted only when its name follows our pattern and it starts
@@ -166,13 +166,12 @@ def remove_leftovers(directory: str, keep_tokens: Iterable[str] = ()) -> List[st
         names = os.listdir(directory or ".")
     except OSError:
         return removed
-    keep = set(keep_tokens)
     for name in names:
         path = os.path.join(directory, name)
         temp, part = _TEMP.match(name), _PART.match(name)
-        if temp and not any(name.endswith(t) for t in keep) and is_ours(path):
+        if temp and is_ours(path):
             _remove(path, removed)
-        elif part and part["token"] and part["token"] not in keep and is_ours(path) \
+        elif part and part["token"] and is_ours(path) \
                 and _orphan(os.path.join(directory, part["stem"] + ".h5"), part["token"]):
             _remove(path, removed)
     return removed

@@ -2,14 +2,17 @@
 # One-command, idempotent set-up for a fresh Debian machine:
 #   Debian's Open MPI and parallel HDF5, a virtual environment in .venv,
 #   mpi4py, numpy, pytest, pytest-mpi, tqdm, JAX (CPU), scikit-learn and
-#   matplotlib (the main job), and h5py built against parallel HDF5.
+#   matplotlib (the main job), h5py built against parallel HDF5, the optional
+#   frameworks the tests port programs from (Keras 3, Flax, optax, Equinox,
+#   ml_dtypes), protobuf and CRC-32C for TensorFlow's files, and Debian's
+#   SimGrid for the scaling simulator.
 #   A second run only checks and takes seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
-APT_PACKAGES="openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools pkg-config"
+APT_PACKAGES="openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools pkg-config python3-simgrid"
 STAMP="$VENV/.mpistrat-setup"
 want_stamp=$(cat scripts/setup.sh pyproject.toml | sha256sum | cut -c1-16)
 
@@ -59,7 +62,15 @@ fi
 # 5. What the main job (jobs/train.py) uses: scikit-learn's bundled digits, matplotlib's plot.
 "$PY" -c "import sklearn, matplotlib" 2>/dev/null || $PIP scikit-learn matplotlib
 
-# 6. The package itself, editable.
+# 6. Optional extras, imported lazily by the library and installed here for the tests:
+#    the frameworks users bring (Keras 3 on JAX, Flax NNX, optax, Equinox, ml_dtypes'
+#    bfloat16/float8), protobuf and CRC-32C (TensorFlow's checkpoints and TFRecord files),
+#    cramjam (snappy blocks in TensorFlow's index files).
+"$PY" -c "import keras, flax, optax, equinox, ml_dtypes, google.protobuf, google_crc32c, cramjam" \
+    2>/dev/null || $PIP "keras>=3.10" "flax>=0.11" "optax>=0.2.5" "equinox>=0.13" "ml_dtypes>=0.5" \
+    "protobuf>=5" "google-crc32c>=1.6" "cramjam>=2.9"
+
+# 7. The package itself, editable.
 $PIP --no-deps --no-build-isolation -e .
 
 "$PY" -c "import h5py; assert h5py.get_config().mpi, 'h5py lacks MPI support'"

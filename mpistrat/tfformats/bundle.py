@@ -29,6 +29,7 @@ import math
 import os
 import stat
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -265,7 +266,10 @@ def decode_value(entry: BundleEntry, raw) -> np.ndarray:
         return _decode_strings(entry, memoryview(raw), where)
     if crc32c(raw) != unmask(entry.crc):
         raise DataLossError(f"{where}: CRC-32C mismatch: the data shard is corrupt")
-    return np.frombuffer(raw, dtype=entry.dtype.newbyteorder("<")).reshape(entry.shape)
+    if sys.byteorder == "little":
+        return np.frombuffer(raw, dtype=entry.dtype).reshape(entry.shape)
+    stored = np.frombuffer(raw, dtype=entry.dtype.newbyteorder("<"))
+    return stored.astype(entry.dtype).reshape(entry.shape)
 
 
 def _length_bytes(length: int) -> bytes:
@@ -306,7 +310,8 @@ def encode_value(value) -> Tuple[int, Tuple[int, ...], bytes, int]:
     value = np.asarray(value)
     enum = dtype_enum(value.dtype)
     if enum != STRING:
-        data = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<")).tobytes()
+        data = np.ascontiguousarray(value.astype(value.dtype.newbyteorder("<"),
+                                                 copy=False)).tobytes()
         return enum, value.shape, data, mask(crc32c(data))
     items = [bytes(v) if not isinstance(v, str) else v.encode() for v in value.reshape(-1)]
     lengths = b"".join(varint(len(v)) for v in items)

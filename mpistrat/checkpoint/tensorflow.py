@@ -42,7 +42,8 @@ from mpistrat.tfformats.bundle import (BundleEntry, BundleIndex, decode_value, i
 from mpistrat.tfformats.object_graph import GRAPH_KEY, ObjectGraph, parse_graph
 
 __all__ = ["load_checkpoint", "list_variables", "CheckpointReader", "resolve_prefix",
-           "restore_tensorflow", "assign_readers", "TensorFlowValues"]
+           "restore_tensorflow", "open_values", "read_collective", "assign_readers",
+           "TensorFlowValues"]
 
 _BATCH_BYTES = 64 << 20
 _CHUNK = 1 << 30
@@ -254,21 +255,27 @@ def _digest(index: BundleIndex) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def restore_tensorflow(checkpoint, prefix: str, engine, check):
-    """Restore ``checkpoint``'s objects from the TensorFlow checkpoint ``prefix`` (collective).
-
-    ``check(slot, entry_or_value, path, source)`` is the Checkpoint's compatibility check.
-    Returns ``(matched paths, TensorFlowValues (what is left for later), missing paths)``.
-    """
+def open_values(prefix: str, engine) -> TensorFlowValues:
+    """The validated index and graph of ``prefix``, the same on every rank (collective)."""
     failure, values = None, None
     try:
         index = read_index(prefix)
         values = TensorFlowValues(index, _read_graph(index))
     except (DataLossError, NotFoundError, ValueError) as err:
         failure = Failure(err, engine.rank)
-    agree_errors(engine, failure, f"restoring {prefix}")
+    agree_errors(engine, failure, f"reading {prefix}")
     agree_view(engine, _digest(values.index), f"{index_name(prefix)} (its contents)",
                error=DataLossError)
+    return values
+
+
+def restore_tensorflow(checkpoint, prefix: str, engine, check):
+    """Restore ``checkpoint``'s objects from the TensorFlow checkpoint ``prefix`` (collective).
+
+    ``check(slot, entry_or_value, path, source)`` is the Checkpoint's compatibility check.
+    Returns ``(matched paths, TensorFlowValues (what is left for later), missing paths)``.
+    """
+    values = open_values(prefix, engine)
     slots = collect_slots(checkpoint._named(), checkpoint._assign)
     found = values.match(slots)
     for path, target in sorted(found.items()):

@@ -13,6 +13,7 @@ It writes, each beside a JSON of what TensorFlow itself reported when reading th
   tensor and an empty one; ``module_sharded/`` the same values in several data shards.
 * ``keras/``: a Keras 3 model and its Adam optimizer after one training step.
 * ``written/``: ``Checkpoint.write`` (no state file, no save counter suffix).
+* ``slots/``: a legacy ``tf.compat.v1`` Adam optimizer, whose slots are slot variables.
 * ``records/``: TFRecord files of ``tf.train.Example`` (plain, GZIP and ZLIB) with float,
   int64 and bytes features, fixed and variable length.
 * ``values.json``: per checkpoint, every tensor key with dtype, shape and the bytes TensorFlow
@@ -119,6 +120,20 @@ def keras_checkpoint(report: dict) -> None:
                                  for v in model.optimizer.variables}
 
 
+def slot_checkpoint(report: dict) -> None:
+    """TF's legacy optimizers keep slot variables (``.OPTIMIZER_SLOT`` in their keys)."""
+    class Model(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = tf.Variable(np.array([1.0, -2.0, 3.0], np.float32))
+    model = Model()
+    optimizer = tf.compat.v1.train.AdamOptimizer(0.1)
+    optimizer.minimize(lambda: tf.reduce_sum(model.w * model.w), var_list=[model.w])
+    path = tf.train.Checkpoint(model=model, optimizer=optimizer).write(
+        os.path.join(OUT, "slots", "ckpt"))
+    report["slots/" + os.path.basename(path)] = _report_checkpoint(path)
+
+
 def _example(i: int) -> tf.train.Example:
     rng = np.random.default_rng(i)
     n = i % 4  # 0..3 values in the variable-length features
@@ -161,9 +176,9 @@ def _parsed_json(serialized: bytes) -> dict:
 def record_files(report: dict) -> None:
     directory = os.path.join(OUT, "records")
     os.makedirs(directory)
-    plan = [("plain-%d.tfrecord" % k, None, range(k * 13, k * 13 + 13 - k)) for k in range(4)]
-    plan += [("gzip-%d.tfrecord.gz" % k, "GZIP", range(100 + k * 9, 109 + k * 9)) for k in range(2)]
-    plan += [("zlib-0.tfrecord.z", "ZLIB", range(200, 207))]
+    plan = [("plain-%d.tfrecord" % k, None, range(k * 10, k * 10 + 7 - k)) for k in range(4)]
+    plan += [("gzip-%d.tfrecord.gz" % k, "GZIP", range(100 + k * 9, 105 + k * 9)) for k in range(2)]
+    plan += [("zlib-0.tfrecord.z", "ZLIB", range(200, 204))]
     for name, compression, ids in plan:
         path = os.path.join(directory, name)
         options = tf.io.TFRecordOptions(compression_type=compression or "")
@@ -189,9 +204,10 @@ def main() -> int:
     report = {"tensorflow": tf.__version__}
     module_checkpoints(report)
     keras_checkpoint(report)
+    slot_checkpoint(report)
     record_files(report)
     with open(os.path.join(OUT, "values.json"), "w") as handle:
-        json.dump(report, handle, indent=1, sort_keys=True)
+        json.dump(report, handle, sort_keys=True, separators=(",", ":"))
         handle.write("\n")
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(OUT) for f in fs)
     print(f"wrote {OUT}: {total} bytes")

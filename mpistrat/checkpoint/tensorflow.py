@@ -46,6 +46,7 @@ __all__ = ["load_checkpoint", "list_variables", "CheckpointReader", "resolve_pre
            "TensorFlowValues"]
 
 _BATCH_BYTES = 64 << 20
+_VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
 _CHUNK = 1 << 30
 
 
@@ -186,18 +187,16 @@ class TensorFlowValues:
     def __init__(self, index: BundleIndex, graph: Optional[ObjectGraph]):
         self.index, self.graph = index, graph
         self.source = index.prefix
-        if graph is None:  # a name-based (TF1) checkpoint: keys are the paths
-            self.by_path = {k: k for k in index.entries}
-        else:
-            self.by_path = {v.path: v.key for v in graph.values}
-            for value in graph.values:
-                if value.key not in index.entries:
-                    raise DataLossError(f"{index_name(index.prefix)}: the object graph names "
-                                        f"key {value.key!r}, which the index lacks")
+        if graph is None:  # no object graph (TF1, or written by hand): keys are the paths
+            self.by_path = {k[:-len(_VALUE)] if k.endswith(_VALUE) else k: k
+                            for k in index.entries}
+        else:  # values the graph names but the index lacks (TensorFlow's sharded writes
+            # leave out empty tensors) are not in the checkpoint
+            self.by_path = {v.path: v.key for v in graph.values if v.key in index.entries}
         self.unmatched = set(self.by_path)
         names: Dict[str, List[str]] = {}
         for value in (graph.values if graph is not None else ()):
-            if value.full_name:
+            if value.full_name and value.path in self.by_path:
                 names.setdefault(value.full_name, []).append(value.path)
         self.by_full_name = {n: p[0] for n, p in names.items() if len(p) == 1}
 
@@ -210,7 +209,8 @@ class TensorFlowValues:
                 target = path if path in self.by_path else None
             else:
                 value = self.graph.find(path)
-                target = value.path if value is not None else None
+                target = value.path if value is not None and value.path in self.by_path \
+                    else None
             owner = slot.owner
             if target is None and type(owner).__module__.startswith("keras"):
                 target = self.by_full_name.get(getattr(owner, "path", None))  # Keras 3
@@ -284,4 +284,7 @@ def restore_tensorflow(checkpoint, prefix: str, engine, check):
     for batch in read_collective({p: values.entry(t) for p, t in found.items()}, engine):
         matched |= checkpoint._apply(slots, batch, prefix)  # applied as read: old values go
     values.unmatched -= {found[p] for p in matched}
-    return matched, values, set(slots) - set(found)
+    missing = set(slots) - set(found)
+    if "save_counter" not in values.by_path:  # TensorFlow makes it on the first save()
+        missing.discard("save_counter")
+    return matched, values, missing

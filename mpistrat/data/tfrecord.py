@@ -87,6 +87,7 @@ class TFRecordFiles(RecordFiles):
         self.index_dir = None if index_dir is None else os.fspath(index_dir)
         self.dtype, self.shape, self.record_bytes = np.dtype(object), (), None
         self.bytes_read, self.index_bytes_read = 0, 0
+        self.files_indexed = 0  # files this process indexed itself (not from a cache)
         self._offsets: List[Optional[np.ndarray]] = [None] * len(self.files)
         self._cursor = None     # compressed files: (file index, next record, stream)
         Dataset.__init__(self, self._records)
@@ -110,6 +111,7 @@ class TFRecordFiles(RecordFiles):
 
     def _build(self, file_index: int) -> np.ndarray:
         path = self.files[file_index]
+        self.files_indexed += 1
         if self.compression is None:
             return scan_offsets(path)
         ends = [0]

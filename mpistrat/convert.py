@@ -179,10 +179,12 @@ def main(argv=None) -> int:
                                                     args.skip_unsupported)
     except (ValueError, OSError) as err:  # the same on every rank: said once
         if get_world().rank == 0:
-            print(f"python -m mpistrat convert: {type(err).__name__}: {err}", file=sys.stderr)
+            sys.stderr.write(f"python -m mpistrat convert: {type(err).__name__}: {err}\n")
+            sys.stderr.flush()
         return 1
     if get_world().rank == 0:
-        print(f"{direction}: {count} values ({nbytes} bytes) from {args.src} to {args.dst}"
-              + (f"; skipped {', '.join(skipped)}" if skipped else ""))
+        sys.stdout.write(f"{direction}: {count} values ({nbytes} bytes) from {args.src} to "
+                         f"{args.dst}" + (f"; skipped {', '.join(skipped)}" if skipped else "")
+                         + "\n")
         sys.stdout.flush()
     return 0

@@ -37,11 +37,11 @@ from mpistrat.data.dataset import Dataset
 from mpistrat.errors import DataLossError, NotFoundError
 from mpistrat.tfformats.record_index import load_index, save_index
 from mpistrat.tfformats.records import (compression_of, scan_offsets, split_records,
-                                        stream_records)
+                                        stream_chunks, stream_records)
 
 __all__ = ["TFRecordDataset", "TFRecordFiles"]
 
-_DEFAULT_BUFFER = 256 << 10
+_DEFAULT_BUFFER = 1 << 20
 _MAX_READ = 1 << 30            # one MPI-IO read at most (counts are C ints)
 
 
@@ -90,6 +90,7 @@ class TFRecordFiles(RecordFiles):
         self.files_indexed = 0  # files this process indexed itself (not from a cache)
         self._offsets: List[Optional[np.ndarray]] = [None] * len(self.files)
         self._cursor = None     # compressed files: (file index, next record, stream)
+        self._starts = None
         Dataset.__init__(self, self._records)
 
     # -- the index ------------------------------------------------------------------
@@ -125,8 +126,11 @@ class TFRecordFiles(RecordFiles):
 
     @property
     def starts(self) -> np.ndarray:
-        return np.concatenate([[0], np.cumsum([self.counts[i] for i in range(len(self.files))])
-                               ]).astype(np.int64)
+        """The global number of each file's first record (then the total): every file indexed."""
+        if self._starts is None:
+            counts = [self.counts[i] for i in range(len(self.files))]
+            self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        return self._starts
 
     def prepare_shards(self, engine, policy) -> None:
         """Index the files this rank will need, each built once (collective).
@@ -195,7 +199,7 @@ class TFRecordFiles(RecordFiles):
                 raise DataLossError(f"{self.files[file_index]}: short read at offset "
                                     f"{start + lo} (the file was truncated after indexing?)")
         self.bytes_read += len(buffer)
-        return _records_array(split_records(buffer, start, stop - first,
+        return _records_array(split_records(buffer, start, offsets[first:stop],
                                             self.files[file_index]))
 
     def _stream_rows(self, file_index: int, first: int, stop: int) -> List[bytes]:
@@ -203,7 +207,7 @@ class TFRecordFiles(RecordFiles):
         or before, else start the file again."""
         cursor = self._cursor
         if cursor is None or cursor[0] != file_index or cursor[1] > first:
-            cursor = [file_index, 0, self._stream(file_index)]
+            cursor = [file_index, 0, (r for rs in self._stream(file_index) for r in rs)]
         out: List[bytes] = []
         while cursor[1] < stop:
             record = next(cursor[2], None)
@@ -217,14 +221,23 @@ class TFRecordFiles(RecordFiles):
         return out
 
     def _stream(self, file_index: int):
-        path = self.files[file_index]
-        for _, record in stream_records(path, self.compression, self.buffer_size):
-            self.bytes_read += len(record) + 16
-            yield record
+        """The records of one file from its start, in lists (one per piece read)."""
+        stats = {"bytes": 0}
+        counted = 0
+        for records in stream_chunks(self.files[file_index], self.compression,
+                                     self.buffer_size, stats):
+            self.bytes_read += stats["bytes"] - counted
+            counted = stats["bytes"]
+            yield records
+        self.bytes_read += stats["bytes"] - counted
 
-    def _records(self):
+    def _chunks(self):
         for index in range(len(self.files)):
             yield from self._stream(index)
+
+    def _records(self):
+        for records in self._chunks():
+            yield from records
 
     def batch(self, batch_size: int, drop_remainder: bool = False) -> "TFRecordBatches":
         """Batches of records (1-D object arrays of ``bytes``)."""
@@ -236,11 +249,13 @@ class TFRecordBatches(BatchedRecords):
 
     def _batches(self):
         pending: List[bytes] = []
-        for record in self.source:
-            pending.append(record)
-            if len(pending) == self._batch_size:
-                yield _records_array(pending)
-                pending = []
+        size = self._batch_size
+        for records in self.source._chunks():
+            pending = pending + records if pending else records
+            full = len(pending) - len(pending) % size
+            for start in range(0, full, size):
+                yield _records_array(pending[start:start + size])
+            pending = pending[full:]
         if pending and not self._drop_remainder:
             yield _records_array(pending)
 

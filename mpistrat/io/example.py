@@ -33,6 +33,7 @@ import numpy as np
 
 from mpistrat.errors import DataLossError, InvalidArgumentError
 from mpistrat.tfformats import messages
+from mpistrat.tfformats.wire import varint
 
 __all__ = ["FixedLenFeature", "VarLenFeature", "SparseTensorValue", "parse_single_example",
            "parse_example", "serialize_example"]
@@ -105,15 +106,20 @@ class _Spec:
                 default = np.asarray(feature.default_value, dtype=self.numpy)
                 if default.size == math.prod(self.shape):
                     default = default.reshape(self.shape)
-                self.default = np.broadcast_to(default, self.shape).reshape(-1)
+                self.default = self._piece(np.broadcast_to(default, self.shape).reshape(-1))
         self.size = math.prod(self.shape)
 
-    def values(self, feature, index: int) -> Optional[Sequence]:
+    def _piece(self, values: np.ndarray):
+        """A default as gathered: float32 as little-endian bytes (joined into one array at
+        the end), int64 and strings as lists."""
+        return values.astype("<f4").tobytes() if self.dtype == "float32" else list(values)
+
+    def values(self, feature, index: int):
         """The values of ``feature`` (a parsed ``Feature`` or ``None``), checked."""
         kind = None if feature is None else feature.WhichOneof("kind")
         if kind is None:
             if not self.fixed:
-                return ()
+                return b"" if self.dtype == "float32" else []
             if self.default is None:
                 raise InvalidArgumentError(
                     f"Feature: {self.name} (data type: {_TF_NAMES[self.dtype]}) is required "
@@ -123,12 +129,22 @@ class _Spec:
             raise InvalidArgumentError(
                 f"Key: {self.name}.  Data types don't match. Expected type: "
                 f"{_TF_NAMES[self.dtype]}, Actual type: {kind.split('_')[0]} (example {index})")
-        values = getattr(feature, kind).value
-        if self.fixed and len(values) != self.size:
+        holder = getattr(feature, kind)
+        count = len(holder.value)
+        if self.fixed and count != self.size:
             raise InvalidArgumentError(
                 f"Key: {self.name}, Index: {index}.  Number of {_TF_NAMES[self.dtype]} values "
-                f"!= expected.  Values size: {len(values)} but output shape: {list(self.shape)}")
-        return values
+                f"!= expected.  Values size: {count} but output shape: {list(self.shape)}")
+        if self.dtype != "float32":
+            return list(holder.value)
+        if isinstance(holder.value, np.ndarray):      # the pure-Python wire reader's
+            return holder.value.astype("<f4").tobytes()
+        # protobuf's: its encoding is the packed floats behind one tag and length (much
+        # faster than element by element); anything else there (unknown fields) goes slowly
+        raw = holder.SerializeToString() if count else b""
+        if raw[:len(raw) - 4 * count] == b"\x0a" + varint(4 * count) or not count:
+            return raw[len(raw) - 4 * count:]
+        return np.array(holder.value, dtype="<f4").tobytes()
 
 
 def _specs(features: Dict[str, Any]) -> List[_Spec]:
@@ -138,12 +154,20 @@ def _specs(features: Dict[str, Any]) -> List[_Spec]:
     return [_Spec(str(name), feature) for name, feature in sorted(features.items())]
 
 
-def _array(values: List, spec: _Spec) -> np.ndarray:
-    if spec.dtype != "string":
-        return np.array(values, dtype=spec.numpy)
-    out = np.empty(len(values), dtype=object)
-    out[:] = [bytes(v) for v in values]
+def _array(pieces: List, spec: _Spec) -> np.ndarray:
+    """One array of every example's values (pieces from ``_Spec.values``)."""
+    if spec.dtype == "float32":
+        return np.frombuffer(b"".join(pieces), dtype="<f4").astype(np.float32)
+    flat = [v for piece in pieces for v in piece]
+    if spec.dtype == "int64":
+        return np.array(flat, dtype=np.int64)
+    out = np.empty(len(flat), dtype=object)
+    out[:] = [bytes(v) for v in flat]
     return out
+
+
+def _count(piece, spec: _Spec) -> int:
+    return len(piece) // 4 if spec.dtype == "float32" else len(piece)
 
 
 def _parse(data, index: int):
@@ -183,14 +207,13 @@ def parse_example(serialized, features: Dict[str, Any], example_names=None,
     for spec in specs:
         lists = columns[spec.name]
         if spec.fixed:
-            flat = [v for values in lists for v in values]
-            out[spec.name] = _array(flat, spec).reshape((len(examples),) + spec.shape)
+            out[spec.name] = _array(lists, spec).reshape((len(examples),) + spec.shape)
             continue
-        lengths = np.array([len(v) for v in lists], dtype=np.int64)
+        lengths = np.array([_count(v, spec) for v in lists], dtype=np.int64)
         rows = np.repeat(np.arange(len(lists), dtype=np.int64), lengths)
         starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
         positions = np.arange(int(lengths.sum()), dtype=np.int64) - starts
-        values = _array([v for values in lists for v in values], spec)
+        values = _array(lists, spec)
         out[spec.name] = SparseTensorValue(
             np.stack([rows, positions], axis=1).reshape(-1, 2), values,
             np.array([len(lists), int(lengths.max()) if len(lists) else 0], dtype=np.int64))
@@ -207,7 +230,7 @@ def parse_single_example(serialized, features: Dict[str, Any], example_names=Non
     columns = _gather([serialized], specs)
     out: Dict[str, Any] = {}
     for spec in specs:
-        values = _array(list(columns[spec.name][0]), spec)
+        values = _array(columns[spec.name], spec)
         if spec.fixed:
             out[spec.name] = values.reshape(spec.shape)
         else:

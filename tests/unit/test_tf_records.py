@@ -158,6 +158,23 @@ def test_hostile_records(tmp_path, defect, text):
         list(ms.data.TFRecordDataset(gz, "GZIP"))
 
 
+@pytest.mark.parametrize("field", ["length", "data"])
+def test_the_first_corrupt_record_of_many_is_named(tmp_path, field):
+    frames = [frame(b"record %d" % i * (i % 7)) for i in range(300)]
+    offset = sum(len(f) for f in frames[:150])
+    data = bytearray(b"".join(frames))
+    data[offset + (3 if field == "length" else len(frames[150]) - 1)] ^= 0x80
+    data[offset + len(frames[150]) + 13] ^= 0x80          # a later one is corrupt too
+    path = str(tmp_path / "many.tfrecord")
+    open(path, "wb").write(bytes(data))
+    text = "CRC-32C of its length" if field == "length" else "CRC-32C of its data"
+    with pytest.raises(DataLossError, match=f"offset {offset}: the {text}"):
+        list(ms.data.TFRecordDataset(path))
+    with pytest.raises(DataLossError, match=f"offset {offset}: the"):
+        ms.data.TFRecordDataset(path).read_rows(0, 300) if field == "data" else \
+            ms.data.TFRecordDataset(path).num_rows
+
+
 def test_a_truncated_gzip_stream(tmp_path):
     path = str(tmp_path / "cut.gz")
     data = gzip.compress(frame(b"a" * 1000) * 20)
@@ -200,6 +217,18 @@ def test_example_errors_name_the_feature():
     assert defaulted["w"].tolist() == [[1, 2], [3, 4]]
     assert defaulted["s"].tolist() == [b"?", b"?"]
     assert defaulted["v"].values.shape == (0,) and defaulted["v"].dense_shape.tolist() == [0]
+
+
+def test_float_lists_with_extra_fields_parse_element_by_element():
+    from mpistrat.tfformats.wire import varint
+    floats = np.array([1.5, -2.0], "<f4").tobytes()
+    float_list = b"\x0a" + varint(8) + floats + b"\x10\x07"      # an unknown field 2 after
+    feature = b"\x12" + varint(len(float_list)) + float_list
+    entry = b"\x0a\x01x" + b"\x12" + varint(len(feature)) + feature
+    features = b"\x0a" + varint(len(entry)) + entry
+    example = b"\x0a" + varint(len(features)) + features
+    got = ms.io.parse_single_example(example, {"x": ms.io.FixedLenFeature([2], "float32")})
+    assert got["x"].tolist() == [1.5, -2.0]
 
 
 def test_dtypes_are_accepted_in_every_spelling():

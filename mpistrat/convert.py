@@ -30,18 +30,13 @@ __all__ = ["main", "convert"]
 
 def _source(src: str) -> Tuple[str, str]:
     """``("tensorflow", prefix)`` or ``("mpistrat", file.h5)`` for ``src`` (this rank's view)."""
-    from mpistrat.checkpoint.files import data_file, state_name
-    from mpistrat.checkpoint.state_file import read_state
+    from mpistrat.checkpoint.files import data_file
+    from mpistrat.checkpoint.tensorflow import latest_in
     from mpistrat.errors import NotFoundError
     from mpistrat.tfformats.bundle import is_bundle
     path = src[:-6] if src.endswith(".index") else src
     if os.path.isdir(path):
-        state = read_state(path)
-        name = state_name(path, state.model_checkpoint_path) if state else None
-        if name is None:
-            raise NotFoundError(f"no checkpoint in directory {path}: its state file is "
-                                f"missing or names none inside it")
-        path = os.path.join(path, name)
+        path = latest_in(path)
     if os.path.isfile(data_file(path)):
         return "mpistrat", data_file(path)
     if is_bundle(path):

@@ -41,7 +41,7 @@ from mpistrat.tfformats.bundle import (BundleEntry, BundleIndex, decode_value, i
                                        is_bundle, read_index, read_value)
 from mpistrat.tfformats.object_graph import GRAPH_KEY, ObjectGraph, parse_graph
 
-__all__ = ["load_checkpoint", "list_variables", "CheckpointReader", "resolve_prefix",
+__all__ = ["load_checkpoint", "list_variables", "CheckpointReader", "resolve_prefix", "latest_in",
            "restore_tensorflow", "open_values", "read_collective", "assign_readers",
            "TensorFlowValues"]
 
@@ -50,18 +50,24 @@ _VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
 _CHUNK = 1 << 30
 
 
+def latest_in(directory: str) -> str:
+    """The path of the latest checkpoint the state file of ``directory`` names (confined
+    to the directory), else ``NotFoundError``; either format."""
+    state = read_state(directory)
+    name = state_name(directory, state.model_checkpoint_path) if state else None
+    if name is None:
+        raise NotFoundError(f"no checkpoint in directory {directory}: its 'checkpoint' state "
+                            f"file is missing or names no checkpoint inside it")
+    return os.path.join(directory, name)
+
+
 def resolve_prefix(ckpt_dir_or_file: str) -> str:
     """The bundle prefix named by a directory (its state file's latest) or a prefix."""
     path = os.fspath(ckpt_dir_or_file)
     if path.endswith(".index") and is_bundle(path[:-6]):
         return path[:-6]
     if os.path.isdir(path):
-        state = read_state(path)
-        name = state_name(path, state.model_checkpoint_path) if state else None
-        if name is None:
-            raise NotFoundError(f"no checkpoint in directory {path}: its 'checkpoint' state "
-                                f"file is missing or names no checkpoint inside it")
-        path = os.path.join(path, name)
+        path = latest_in(path)
     if not is_bundle(path):
         raise NotFoundError(f"no TensorFlow checkpoint at {path} (looked for "
                             f"{index_name(path)})")

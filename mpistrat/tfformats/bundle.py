@@ -31,7 +31,7 @@ import stat
 import struct
 import sys
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -322,29 +322,41 @@ def encode_value(value) -> Tuple[int, Tuple[int, ...], bytes, int]:
     return enum, value.shape, lengths + checksum + body, mask(crc)
 
 
-def write_shard(path: str, items: Sequence[Tuple[str, np.ndarray]],
-                shard: int = 0) -> List[dict]:
-    """Write one data shard holding ``items`` (key, value); the entries for ``write_index``.
-
-    Written under a temporary name, fsynced, then renamed.
-    """
-    entries, offset = [], 0
+def _write_atomically(path: str, chunks) -> None:
+    """Write the bytes ``chunks`` yields to ``path``: a temporary name, fsync, rename."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as handle:
-            for key, value in items:
-                enum, shape, data, crc = encode_value(value)
-                handle.write(data)
-                entries.append({"key": key, "dtype": enum, "shape": {"dim": [
-                    {"size": int(d)} for d in shape]}, "shard_id": shard, "offset": offset,
-                    "size": len(data), "crc32c": crc})
-                offset += len(data)
+            for chunk in chunks:
+                handle.write(chunk)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
-        _remove(tmp)
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
         raise
+
+
+def write_shard(path: str, items: Sequence[Tuple[str, np.ndarray]],
+                shard: int = 0) -> List[dict]:
+    """Write one data shard holding ``items`` (key, value), atomically; the entries for
+    ``write_index``."""
+    entries: List[dict] = []
+
+    def chunks():
+        offset = 0
+        for key, value in items:
+            enum, shape, data, crc = encode_value(value)
+            entries.append({"key": key, "dtype": enum, "shape": {"dim": [
+                {"size": int(d)} for d in shape]}, "shard_id": shard, "offset": offset,
+                "size": len(data), "crc32c": crc})
+            offset += len(data)
+            yield data
+
+    _write_atomically(path, chunks())
     return entries
 
 
@@ -356,21 +368,4 @@ def write_index(prefix: str, num_shards: int, entries: Sequence[dict]) -> None:
     for entry in sorted(entries, key=lambda e: e["key"].encode()):
         fields = {k: v for k, v in entry.items() if k != "key"}
         rows.append((entry["key"].encode(), messages.serialize("BundleEntryProto", fields)))
-    path = index_name(prefix)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as handle:
-            handle.write(build_table(rows))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        _remove(tmp)
-        raise
-
-
-def _remove(path: Optional[str]) -> None:
-    try:
-        os.remove(path)
-    except OSError:
-        pass
+    _write_atomically(index_name(prefix), [build_table(rows)])

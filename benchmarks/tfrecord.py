@@ -5,7 +5,7 @@ Run: scripts/mpirun -n N .venv/bin/python benchmarks/tfrecord.py [--mib 64] [--d
 
 Rank 0 writes 4 TFRecord files of tf.train.Example records (a 100-float feature, an int64
 label, a 32-byte string: about 560 bytes each; kept between runs) with ms.io. In the same run
-it measures, page cache warm, best of 3:
+it measures, page cache warm, best of 5:
 
 * ``raw``: one process reading every byte of the files (``readinto``), no parsing;
 * ``tf_data``: ``tf.data.TFRecordDataset(files).batch(B)`` iterated to the end in a TensorFlow
@@ -50,7 +50,7 @@ def epoch():
     return count
 epoch()  # warm: the files in the page cache, the pipeline built once
 times = []
-for _ in range(3):
+for _ in range(5):
     start = time.perf_counter(); count = epoch(); times.append(time.perf_counter() - start)
 features = {"x": tf.io.FixedLenFeature([100], tf.float32),
             "label": tf.io.FixedLenFeature([], tf.int64),
@@ -106,10 +106,13 @@ def write_files(directory: str, mib: float):
     return paths
 
 
-def best_of(fn, repeats=3):
+REPEATS = 5
+
+
+def best_of(fn, repeats=None):
     fn()
     times = []
-    for _ in range(repeats):
+    for _ in range(repeats or REPEATS):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -183,7 +186,7 @@ def main():
     for policy in (ms.data.AutoShardPolicy.DATA, ms.data.AutoShardPolicy.FILE):
         distributed_epoch(strategy, paths, args.batch, policy)   # warm
         times, counts, reader = [], 0, None
-        for _ in range(3):
+        for _ in range(REPEATS):
             comm.Barrier()
             start = time.perf_counter()
             reader, count = distributed_epoch(strategy, paths, args.batch, policy)

@@ -246,13 +246,19 @@ class TensorFlowValues:
             status.unmatched_values -= {found[p] for p in matched}
 
 
-def _read_graph(index: BundleIndex) -> Optional[ObjectGraph]:
+def graph_entry(index: BundleIndex) -> Optional[BundleEntry]:
+    """The entry of the object graph (a string scalar), or ``None`` without one."""
     entry = index.entries.get(GRAPH_KEY)
-    if entry is None:
-        return None
-    if entry.enum != 7 or entry.shape != ():
+    if entry is not None and (entry.enum != 7 or entry.shape != ()):
         raise DataLossError(f"{index_name(index.prefix)}: {GRAPH_KEY} is not a string scalar")
-    return parse_graph(read_value(entry)[()], f"{entry.file}, key {GRAPH_KEY!r}")
+    return entry
+
+
+def read_graph(index: BundleIndex) -> Optional[ObjectGraph]:
+    """The object graph of ``index``, read by this process alone."""
+    entry = graph_entry(index)
+    return None if entry is None else parse_graph(read_value(entry)[()],
+                                                  f"{entry.file}, key {GRAPH_KEY!r}")
 
 
 def _digest(index: BundleIndex) -> str:
@@ -263,16 +269,20 @@ def _digest(index: BundleIndex) -> str:
 
 def open_values(prefix: str, engine) -> TensorFlowValues:
     """The validated index and graph of ``prefix``, the same on every rank (collective)."""
-    failure, values = None, None
+    failure, index, entry = None, None, None
     try:
         index = read_index(prefix)
-        values = TensorFlowValues(index, _read_graph(index))
+        entry = graph_entry(index)
     except (DataLossError, NotFoundError, ValueError) as err:
         failure = Failure(err, engine.rank)
     agree_errors(engine, failure, f"reading {prefix}")
-    agree_view(engine, _digest(values.index), f"{index_name(prefix)} (its contents)",
+    agree_view(engine, _digest(index), f"{index_name(prefix)} (its contents)",
                error=DataLossError)
-    return values
+    graph = None
+    if entry is not None:  # read by one rank, checked and parsed by all (the same bytes)
+        data = next(read_collective({GRAPH_KEY: entry}, engine))[GRAPH_KEY][()]
+        graph = parse_graph(data, f"{entry.file}, key {GRAPH_KEY!r}")
+    return TensorFlowValues(index, graph)
 
 
 def restore_tensorflow(checkpoint, prefix: str, engine, check):

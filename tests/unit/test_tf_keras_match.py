@@ -14,7 +14,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 keras = pytest.importorskip("keras")
 
 from mpistrat.checkpoint.graph import Slot  # noqa: E402
-from mpistrat.checkpoint.tensorflow import TensorFlowValues, _read_graph  # noqa: E402
+from mpistrat.checkpoint.tensorflow import TensorFlowValues, read_graph  # noqa: E402
 from mpistrat.tfformats import bundle  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "tf"
@@ -31,7 +31,7 @@ def test_keras_variables_restore_by_their_paths():
     slots = {f"anything/{i}": Slot(f"anything/{i}", "variable", v.numpy, v.assign, v)
              for i, v in enumerate(variables)}
     index = bundle.read_index(str(DATA / "keras/ckpt-1"))
-    values = TensorFlowValues(index, _read_graph(index))
+    values = TensorFlowValues(index, read_graph(index))
     found = values.match(slots)
     assert sorted(found) == sorted(slots)          # every variable found, none by its path
     for path, target in found.items():

@@ -37,8 +37,8 @@ from mpistrat.checkpoint.graph import collect_slots
 from mpistrat.checkpoint.state_file import read_state
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.errors import DataLossError, NotFoundError
-from mpistrat.tfformats.bundle import (BundleEntry, BundleIndex, decode_value, index_name,
-                                       is_bundle, read_index, read_value)
+from mpistrat.tfformats.bundle import (STRING, BundleEntry, BundleIndex, decode_value,
+                                       index_name, is_bundle, read_index, read_value)
 from mpistrat.tfformats.object_graph import GRAPH_KEY, ObjectGraph, parse_graph
 
 __all__ = ["load_checkpoint", "list_variables", "CheckpointReader", "resolve_prefix", "latest_in",
@@ -90,7 +90,7 @@ class CheckpointReader:
         if entry is None:
             raise NotFoundError(f"Key {name} not found in checkpoint {self.prefix}")
         value = read_value(entry)
-        return value[()] if entry.enum == 7 and value.shape == () else value
+        return value[()] if entry.enum == STRING and value.shape == () else value
 
     def get_variable_to_shape_map(self) -> Dict[str, List[int]]:
         return {k: list(e.shape) for k, e in sorted(self._index.entries.items())}
@@ -249,7 +249,7 @@ class TensorFlowValues:
 def graph_entry(index: BundleIndex) -> Optional[BundleEntry]:
     """The entry of the object graph (a string scalar), or ``None`` without one."""
     entry = index.entries.get(GRAPH_KEY)
-    if entry is not None and (entry.enum != 7 or entry.shape != ()):
+    if entry is not None and (entry.enum != STRING or entry.shape != ()):
         raise DataLossError(f"{index_name(index.prefix)}: {GRAPH_KEY} is not a string scalar")
     return entry
 

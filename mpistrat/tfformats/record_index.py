@@ -74,9 +74,9 @@ def load_index(path: str, compression: Optional[str], index_dir: Optional[str],
             if (version, got_size, got_mtime, code) != (_VERSION, size, mtime,
                                                         _CODES[compression]):
                 return None
-            if count > max(size, 1) // _MIN_RECORD + 1 and compression is None:
-                return None
-            body = handle.read(8 * (count + 1) + 5)   # one byte more: the file must end here
+            if os.fstat(handle.fileno()).st_size != len(head) + 8 * (count + 1) + 4:
+                return None                             # checked before reading the offsets
+            body = handle.read(8 * (count + 1) + 4)
     except (OSError, ValueError):
         return None
     if stats is not None:

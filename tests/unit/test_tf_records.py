@@ -110,6 +110,10 @@ def test_the_index_is_rebuilt_when_the_file_changes(records, tmp_path):
     open(cache, "wb").write(bytes(data))
     assert load_index(path, None, cache_dir) is None
     assert ms.data.TFRecordDataset(path, index_dir=cache_dir).num_rows == 9
+    data = bytearray(open(cache, "rb").read())
+    data[24 + 32:24 + 40] = (2 ** 60).to_bytes(8, "little")     # a count the cache cannot hold
+    open(cache, "wb").write(bytes(data))
+    assert load_index(path, None, cache_dir) is None
 
 
 def test_compressed_files_read_in_one_pass_and_by_range(records):

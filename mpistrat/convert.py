@@ -31,7 +31,7 @@ __all__ = ["main", "convert"]
 def _source(src: str) -> Tuple[str, str]:
     """``("tensorflow", prefix)`` or ``("mpistrat", file.h5)`` for ``src`` (this rank's view)."""
     from mpistrat.checkpoint.files import data_file
-    from mpistrat.checkpoint.tensorflow import latest_in
+    from mpistrat.checkpoint.tf_checkpoints import latest_in
     from mpistrat.errors import NotFoundError
     from mpistrat.tfformats.bundle import is_bundle
     path = src[:-6] if src.endswith(".index") else src
@@ -64,7 +64,7 @@ def _unsupported(path: str, entry) -> Optional[str]:
 def _tf_to_ours(prefix: str, dst: str, engine, skip: bool) -> Tuple[int, int, List[str]]:
     from mpistrat.checkpoint.h5write import write_file
     from mpistrat.checkpoint.files import data_file
-    from mpistrat.checkpoint.tensorflow import open_values, read_collective
+    from mpistrat.checkpoint.tf_checkpoints import open_values, read_collective
     from mpistrat.tfformats.object_graph import VARIABLE_VALUE
     values = open_values(prefix, engine)
     names = {v.path: v.name for v in values.graph.values} if values.graph else {}
@@ -90,7 +90,7 @@ def _tf_to_ours(prefix: str, dst: str, engine, skip: bool) -> Tuple[int, int, Li
 
 def _ours_to_tf(final: str, dst: str, engine) -> Tuple[int, int, List[str]]:
     from mpistrat.checkpoint.h5read import Reader, read_catalog, read_values
-    from mpistrat.checkpoint.tensorflow import assign_readers
+    from mpistrat.checkpoint.tf_checkpoints import assign_readers
     from mpistrat.collectives.agreement import Failure, agree_errors
     from mpistrat.tfformats import bundle
     from mpistrat.tfformats.object_graph import GRAPH_KEY, build_graph

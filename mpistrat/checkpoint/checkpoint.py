@@ -232,7 +232,7 @@ class Checkpoint:
         path = os.fspath(save_path)
         tensorflow = is_bundle(path) and not os.path.exists(data_file(path))
         if agree_view(engine, tensorflow, f"{path}.index"):  # TensorFlow's format
-            from mpistrat.checkpoint.tensorflow import restore_tensorflow
+            from mpistrat.checkpoint.tf_checkpoints import restore_tensorflow
             matched, pending, missing = restore_tensorflow(self, path, engine, _check_compatible)
             object.__setattr__(self, "_pending", pending)
             object.__setattr__(self, "_status", CheckpointLoadStatus(

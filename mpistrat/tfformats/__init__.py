@@ -8,6 +8,6 @@
 * :mod:`object_graph` TF2's ``_CHECKPOINTABLE_OBJECT_GRAPH``;
 * :mod:`records` TFRecord framing.
 
-The MPI parts live where they are used: ``checkpoint/tensorflow.py`` (restores),
+The MPI parts live where they are used: ``checkpoint/tf_checkpoints.py`` (restores),
 ``data/tfrecord.py`` (datasets).
 """

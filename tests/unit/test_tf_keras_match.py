@@ -14,7 +14,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 keras = pytest.importorskip("keras")
 
 from mpistrat.checkpoint.graph import Slot  # noqa: E402
-from mpistrat.checkpoint.tensorflow import TensorFlowValues, read_graph  # noqa: E402
+from mpistrat.checkpoint.tf_checkpoints import TensorFlowValues, read_graph  # noqa: E402
 from mpistrat.tfformats import bundle  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "tf"

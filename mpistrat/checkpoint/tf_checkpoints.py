@@ -37,6 +37,7 @@ from mpistrat.checkpoint.graph import collect_slots
 from mpistrat.checkpoint.state_file import read_state
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.errors import DataLossError, NotFoundError
+from mpistrat.runtime import timeline
 from mpistrat.tfformats.bundle import (STRING, BundleEntry, BundleIndex, decode_value,
                                        index_name, is_bundle, read_index, read_value)
 from mpistrat.tfformats.object_graph import GRAPH_KEY, ObjectGraph, parse_graph
@@ -69,8 +70,10 @@ def resolve_prefix(ckpt_dir_or_file: str) -> str:
     if os.path.isdir(path):
         path = latest_in(path)
     if not is_bundle(path):
-        raise NotFoundError(f"no TensorFlow checkpoint at {path} (looked for "
-                            f"{index_name(path)})")
+        ours = os.path.isfile(path if path.endswith(".h5") else path + ".h5")
+        raise NotFoundError(f"no TensorFlow checkpoint at {path} (looked for {index_name(path)})"
+                            + ("; that is one of ours: restore it with ms.Checkpoint, or "
+                               "convert it with python -m mpistrat convert" if ours else ""))
     return path
 
 
@@ -297,8 +300,11 @@ def restore_tensorflow(checkpoint, prefix: str, engine, check):
     for path, target in sorted(found.items()):
         check(slots[path], values.entry(target), path, prefix)
     matched = set()
-    for batch in read_collective({p: values.entry(t) for p, t in found.items()}, engine):
-        matched |= checkpoint._apply(slots, batch, prefix)  # applied as read: old values go
+    wanted = {p: values.entry(t) for p, t in found.items()}
+    with timeline.span("checkpoint restore", "checkpoint", file=os.path.basename(prefix),
+                       nbytes=sum(e.size for e in wanted.values())):
+        for batch in read_collective(wanted, engine):
+            matched |= checkpoint._apply(slots, batch, prefix)  # applied as read
     values.unmatched -= {found[p] for p in matched}
     missing = set(slots) - set(found)
     if "save_counter" not in values.by_path:  # TensorFlow makes it on the first save()

@@ -203,6 +203,12 @@ def test_crc32c_and_its_mask():
     assert masked_crc32c(b"\x00" * 8) == mask(crc32c(b"\x00" * 8)) != crc32c(b"\x00" * 8)
 
 
+def test_one_of_ours_is_named_as_such(tmp_path):
+    path = ms.Checkpoint(w=ms.Variable(np.zeros(2))).write(str(tmp_path / "ours"))
+    with pytest.raises(NotFoundError, match="one of ours"):
+        ms.train.load_checkpoint(path)
+
+
 def test_a_missing_shard_is_named(tmp_path):
     shutil.copytree(DATA / "module_sharded", tmp_path / "m")
     os.remove(tmp_path / "m" / "ckpt.data-00001-of-00002")

@@ -38,6 +38,7 @@ from mpistrat import train  # noqa: E402
 from mpistrat import preemption  # noqa: E402  (adds ms.distribute.experimental's handler)
 from mpistrat import distribute  # noqa: E402
 from mpistrat import data  # noqa: E402
+from mpistrat import io  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -49,5 +50,5 @@ __all__ = [
     "ValueContext", "Variable", "VariableAggregation", "VariableSynchronization",
     "get_replica_context", "get_strategy", "has_strategy", "in_cross_replica_context",
     "Checkpoint", "CheckpointManager", "CheckpointOptions", "latest_checkpoint", "train", "data",
-    "distribute", "preemption",
+    "distribute", "preemption", "io",
 ]

@@ -179,6 +179,10 @@ def _bytes(n: int) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["convert"]:  # checkpoints between TensorFlow's format and ours
+        from mpistrat.convert import main as convert
+        return convert(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m mpistrat")
     parser.add_argument("command", choices=["info"], help="info: describe every rank")
     parser.add_argument("--json", action="store_true", help="one JSON document on rank 0")

@@ -7,5 +7,7 @@
 
 from mpistrat.checkpoint import (Checkpoint, CheckpointManager, CheckpointOptions,
                                  latest_checkpoint)
+from mpistrat.checkpoint.tf_checkpoints import list_variables, load_checkpoint
 
-__all__ = ["Checkpoint", "CheckpointManager", "CheckpointOptions", "latest_checkpoint"]
+__all__ = ["Checkpoint", "CheckpointManager", "CheckpointOptions", "latest_checkpoint",
+           "load_checkpoint", "list_variables"]

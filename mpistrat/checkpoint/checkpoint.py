@@ -33,6 +33,7 @@ from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.distribute.variables import Variable
 from mpistrat.errors import NotFoundError
 from mpistrat.runtime import timeline
+from mpistrat.tfformats.bundle import is_bundle
 
 __all__ = ["Checkpoint", "CheckpointOptions", "CheckpointLoadStatus", "latest_checkpoint"]
 
@@ -229,6 +230,14 @@ class Checkpoint:
         writer.wait_idle()
         engine = io_engine()
         path = os.fspath(save_path)
+        tensorflow = is_bundle(path) and not os.path.exists(data_file(path))
+        if agree_view(engine, tensorflow, f"{path}.index"):  # TensorFlow's format
+            from mpistrat.checkpoint.tf_checkpoints import restore_tensorflow
+            matched, pending, missing = restore_tensorflow(self, path, engine, _check_compatible)
+            object.__setattr__(self, "_pending", pending)
+            object.__setattr__(self, "_status", CheckpointLoadStatus(
+                path, matched, set(pending.unmatched), missing))
+            return self._status
         final = data_file(path)
         if agree_view(engine, local_view(final), final) != "file":
             raise NotFoundError(f"no checkpoint at {path} (looked for {final}){missing_hint(path)}")
@@ -267,6 +276,8 @@ class Checkpoint:
     def _apply_pending(self, named: Dict[str, Any]) -> None:
         """Values restored earlier for objects attached now: checked, then read by this rank
         alone (attaching needs no other rank)."""
+        if hasattr(self._pending, "apply"):  # values of a TensorFlow checkpoint
+            return self._pending.apply(self, named, _check_compatible)
         slots = collect_slots(named, self._assign)
         found = sorted(set(slots) & set(self._pending))
         for path in found:

@@ -28,6 +28,7 @@ from mpistrat.collectives import CollectiveEngine
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.errors import DataLossError
 from mpistrat.runtime import get_world
+from mpistrat.tfformats.bundle import is_bundle
 
 __all__ = ["io_engine", "prepare_directory", "read_kept", "record_latest", "agreed_state",
            "latest_checkpoint"]
@@ -78,7 +79,8 @@ def read_kept(directory: str) -> Tuple[Optional[str], List[Tuple[str, float]], f
         else None
     if state.model_checkpoint_path and latest is None:
         refused.append(state.model_checkpoint_path)
-    if latest is not None and not os.path.isfile(data_file(os.path.join(directory, latest))):
+    if latest is not None and not os.path.isfile(data_file(os.path.join(directory, latest))) \
+            and not is_bundle(os.path.join(directory, latest)):  # ours, else TensorFlow's
         latest = None
     if refused:
         warnings.warn(f"the checkpoint state file in {directory} names paths outside the "

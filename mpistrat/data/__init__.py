@@ -4,5 +4,6 @@ from mpistrat.data.dataset import Dataset, TensorSpec
 from mpistrat.data.distributed import DistributedDataset
 from mpistrat.data.options import AutoShardPolicy, Options
 from mpistrat.data.readers import FixedLengthRecordDataset, HDF5Dataset, NpyDataset
+from mpistrat.data.tfrecord import TFRecordDataset
 
-__all__ = ["FixedLengthRecordDataset", "HDF5Dataset", "NpyDataset", "Dataset", "TensorSpec", "DistributedDataset", "AutoShardPolicy", "Options"]
+__all__ = ["FixedLengthRecordDataset", "TFRecordDataset", "HDF5Dataset", "NpyDataset", "Dataset", "TensorSpec", "DistributedDataset", "AutoShardPolicy", "Options"]

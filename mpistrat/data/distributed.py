@@ -269,6 +269,8 @@ def distribute_dataset(strategy, dataset: Dataset, options=None) -> DistributedD
     files = dataset.source.files if isinstance(dataset, BatchedRecords) else None
     if policy is AutoShardPolicy.AUTO and files is not None and len(files) >= replicas:
         policy = AutoShardPolicy.FILE
+    if files is not None and hasattr(dataset.source, "prepare_shards"):  # TFRecord indexes
+        dataset.source.prepare_shards(strategy.extended.engine, policy)
     if policy is AutoShardPolicy.FILE:
         if files is None:
             raise ValueError("AutoShardPolicy.FILE needs a file-based dataset (a reader "

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2] / "mpistrat"
 # module prefix -> layer (longest prefix wins)
 LAYERS = {
     "mpistrat.errors": 0, "mpistrat.nest": 0, "mpistrat.partition": 0,
+    "mpistrat.tfformats": 0, "mpistrat.io": 0,
     "mpistrat.runtime": 1, "mpistrat.cluster_resolver": 1, "mpistrat.config": 1,
     "mpistrat.tpu": 1,
     "mpistrat.collectives": 2,

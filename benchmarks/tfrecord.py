@@ -1,0 +1,220 @@
+"""TFRecord benchmark: ms.data.TFRecordDataset against tf.data.TFRecordDataset and a raw read.
+
+Run: scripts/mpirun -n N .venv/bin/python benchmarks/tfrecord.py [--mib 64] [--dir DIR]
+     [--tf-python /work/tfvenv/bin/python]
+
+Rank 0 writes 4 TFRecord files of tf.train.Example records (a 100-float feature, an int64
+label, a 32-byte string: about 560 bytes each; kept between runs) with ms.io. In the same run
+it measures, page cache warm, best of 5:
+
+* ``raw``: one process reading every byte of the files (``readinto``), no parsing;
+* ``tf_data``: ``tf.data.TFRecordDataset(files).batch(B)`` iterated to the end in a TensorFlow
+  Python (subprocess on rank 0; skipped without one), and ``tf.io.parse_example`` of a batch;
+* ``ms``: ``TFRecordDataset(files).batch(B)`` on one process, then
+  ``experimental_distribute_dataset`` under DATA and FILE at N ranks (global batch B), with the
+  record indexes cached (their first build is timed separately);
+* ``parse``: ``ms.io.parse_example`` per record with protobuf and with the pure-Python wire
+  reader (a subprocess where protobuf cannot be imported), and CRC-32C rates.
+
+One JSON line on rank 0: records per second, ratios to tf.data and to the raw read, and the
+bytes each rank read under DATA (its records' bytes plus the index).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import emit  # noqa: E402
+
+import mpistrat as ms  # noqa: E402
+
+FILES = 4
+
+TF_SCRIPT = r"""
+import json, os, sys, time
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+import tensorflow as tf
+files, batch = json.loads(sys.argv[1]), int(sys.argv[2])
+def epoch():
+    count = 0
+    for b in tf.data.TFRecordDataset(files).batch(batch):
+        count += int(b.shape[0])
+    return count
+epoch()  # warm: the files in the page cache, the pipeline built once
+times = []
+for _ in range(5):
+    start = time.perf_counter(); count = epoch(); times.append(time.perf_counter() - start)
+features = {"x": tf.io.FixedLenFeature([100], tf.float32),
+            "label": tf.io.FixedLenFeature([], tf.int64),
+            "name": tf.io.FixedLenFeature([], tf.string)}
+records = next(iter(tf.data.TFRecordDataset(files).batch(batch)))
+tf.io.parse_example(records, features)
+parse = []
+for _ in range(3):
+    start = time.perf_counter(); tf.io.parse_example(records, features)
+    parse.append(time.perf_counter() - start)
+print(json.dumps({"seconds": min(times), "records": count, "version": tf.__version__,
+                  "parse_per_record_us": min(parse) / int(records.shape[0]) * 1e6}))
+"""
+
+FALLBACK_SCRIPT = r"""
+import json, sys, time
+sys.modules["google.protobuf"] = None
+sys.modules["google_crc32c"] = None
+import numpy as np, mpistrat as ms
+from mpistrat.tfformats import crc, messages
+assert messages.backend() == "python" and crc.implementation() == "python"
+files, batch = json.loads(sys.argv[1]), int(sys.argv[2])
+records = list(ms.data.TFRecordDataset(files).take(batch // 4))
+features = {"x": ms.io.FixedLenFeature([100], "float32"),
+            "label": ms.io.FixedLenFeature([], "int64"),
+            "name": ms.io.FixedLenFeature([], "string")}
+start = time.perf_counter(); ms.io.parse_example(records, features)
+parse = time.perf_counter() - start
+data = bytes(1 << 20)
+start = time.perf_counter(); crc.crc32c(data); rate = 1 / (time.perf_counter() - start)
+print(json.dumps({"parse_per_record_us": parse / len(records) * 1e6, "crc_mib_s": rate}))
+"""
+
+FEATURES = {"x": ms.io.FixedLenFeature([100], "float32"),
+            "label": ms.io.FixedLenFeature([], "int64"),
+            "name": ms.io.FixedLenFeature([], "string")}
+
+
+def write_files(directory: str, mib: float):
+    paths = [os.path.join(directory, f"mpistrat-tfrecord-{int(mib)}MiB-{k}.tfrecord")
+             for k in range(FILES)]
+    if all(os.path.exists(p) for p in paths):
+        return paths
+    rng = np.random.default_rng(0)
+    per_file = int(mib * (1 << 20) / FILES / 560)
+    for k, path in enumerate(paths):
+        with ms.io.TFRecordWriter(path + ".tmp") as writer:
+            for i in range(per_file):
+                writer.write(ms.io.serialize_example({
+                    "x": rng.standard_normal(100).astype(np.float32), "label": [k * per_file + i],
+                    "name": [rng.bytes(32)]}))
+        os.replace(path + ".tmp", path)
+    return paths
+
+
+REPEATS = 5
+
+
+def best_of(fn, repeats=None):
+    fn()
+    times = []
+    for _ in range(repeats or REPEATS):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def raw_read(paths):
+    buffer = bytearray(16 << 20)
+    for path in paths:
+        with open(path, "rb", buffering=0) as handle:
+            while handle.readinto(buffer):
+                pass
+
+
+def subprocess_json(python, script, *args):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+    done = subprocess.run([python, "-c", script, *args], capture_output=True, text=True,
+                          timeout=900, env=env)
+    if done.returncode != 0:
+        return {"error": done.stderr[-300:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def distributed_epoch(strategy, paths, batch, policy):
+    options = ms.data.Options()
+    options.experimental_distribute.auto_shard_policy = policy
+    reader = ms.data.TFRecordDataset(paths)
+    count = 0
+    for step in strategy.experimental_distribute_dataset(reader.batch(batch).with_options(options)):
+        count += len(step.values[0])
+    return reader, count
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mib", type=float, default=64)
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--tf-python", default=os.environ.get("MPISTRAT_TEST_TF_PYTHON",
+                                                              "/work/tfvenv/bin/python"))
+    args = parser.parse_args()
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    paths = comm.bcast(write_files(args.dir, args.mib) if rank == 0 else None, root=0)
+    total_bytes = sum(os.path.getsize(p) for p in paths)
+    record = {"benchmark": "tfrecord", "ranks": size, "files": FILES, "mib": args.mib,
+              "batch": args.batch, "cache": "warm"}
+    if rank == 0:
+        for path in paths:  # time the index's first build, then keep it cached
+            for name in os.listdir(os.path.dirname(path)):
+                if name == f".{os.path.basename(path)}.mpistrat-index":
+                    os.remove(os.path.join(os.path.dirname(path), name))
+        start = time.perf_counter()
+        records = ms.data.TFRecordDataset(paths).num_rows
+        record["index_build_seconds"] = time.perf_counter() - start
+        record["records"] = records
+        record["raw_seconds"] = best_of(lambda: raw_read(paths))
+        single = best_of(lambda: sum(len(b) for b in ms.data.TFRecordDataset(paths)
+                                     .batch(args.batch)))
+        record["ms_1process_seconds"] = single
+        batch = next(iter(ms.data.TFRecordDataset(paths).batch(args.batch)))
+        parse = best_of(lambda: ms.io.parse_example(batch, FEATURES))
+        record["ms_parse_per_record_us"] = parse / len(batch) * 1e6
+        record["ms_python_fallback"] = subprocess_json(sys.executable, FALLBACK_SCRIPT,
+                                                       json.dumps(paths), str(args.batch))
+        if os.path.exists(args.tf_python):
+            record["tf_data"] = subprocess_json(args.tf_python, TF_SCRIPT, json.dumps(paths),
+                                                str(args.batch))
+    comm.Barrier()
+    strategy = ms.MultiWorkerMirroredStrategy()
+    for policy in (ms.data.AutoShardPolicy.DATA, ms.data.AutoShardPolicy.FILE):
+        distributed_epoch(strategy, paths, args.batch, policy)   # warm
+        times, counts, reader = [], 0, None
+        for _ in range(REPEATS):
+            comm.Barrier()
+            start = time.perf_counter()
+            reader, count = distributed_epoch(strategy, paths, args.batch, policy)
+            times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+            counts = comm.allreduce(count)
+        name = policy.name.lower()
+        record[f"ms_{name}_seconds"] = min(times)
+        record[f"ms_{name}_records"] = counts
+        if policy is ms.data.AutoShardPolicy.DATA:
+            record["data_bytes_read_per_rank"] = comm.allgather(reader.bytes_read)
+            record["index_bytes_read_per_rank"] = comm.allgather(reader.index_bytes_read)
+            record["data_bytes_total"] = total_bytes
+    if rank == 0:
+        n = record["records"]
+        record["raw_records_per_s"] = n / record["raw_seconds"]
+        for key in ("ms_1process", "ms_data", "ms_file"):
+            record[f"{key}_records_per_s"] = n / record[f"{key}_seconds"]
+            record[f"{key}_vs_raw_time"] = record[f"{key}_seconds"] / record["raw_seconds"]
+        tf_data = record.get("tf_data", {})
+        if "seconds" in tf_data:
+            tf_rate = tf_data["records"] / tf_data["seconds"]
+            record["tf_data_records_per_s"] = tf_rate
+            for key in ("ms_1process", "ms_data", "ms_file"):
+                record[f"{key}_vs_tf_data_rate"] = record[f"{key}_records_per_s"] / tf_rate
+        record["data_share_per_rank"] = [b / total_bytes for b in
+                                         record["data_bytes_read_per_rank"]]
+    emit(comm, record)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""TensorFlow checkpoints: ``ms.train.load_checkpoint``, ``list_variables``, and restores.
+
+``load_checkpoint(dir_or_prefix)`` (this process alone, as TensorFlow's) reads a bundle
+(``tfformats.bundle``): a directory means its latest checkpoint, named by the
+``checkpoint`` state file::
+
+    >>> import numpy as np, tempfile, os, mpistrat as ms
+    >>> from mpistrat.tfformats import bundle
+    >>> prefix = os.path.join(tempfile.mkdtemp(), "ckpt-1")
+    >>> bundle.write_index(prefix, 1, bundle.write_shard(bundle.data_name(prefix, 0, 1),
+    ...                    [("w/.ATTRIBUTES/VARIABLE_VALUE", np.ones(2, np.float16))]))
+    >>> reader = ms.train.load_checkpoint(prefix)
+    >>> reader.get_variable_to_shape_map()
+    {'w/.ATTRIBUTES/VARIABLE_VALUE': [2]}
+    >>> reader.get_tensor("w/.ATTRIBUTES/VARIABLE_VALUE").dtype
+    dtype('float16')
+
+``Checkpoint.restore(tf_prefix)`` calls :func:`restore_tensorflow` (collective): every rank
+validates the index and the ranks agree on it; our objects are matched to TensorFlow's
+through its object graph (``tfformats.object_graph``: child names from the root, so
+``model/dense/kernel`` restores ours at the same path; a Keras variable also by its
+``path``, which TensorFlow records as the value's ``full_name``); then each value is read
+by one rank only (values dealt to ranks by size; MPI-IO reads of exactly its bytes),
+broadcast, and checked (CRC-32C) by every rank, so a corrupt value raises the same
+``DataLossError`` everywhere. Values for objects attached later are read when they are.
+"""
+
+import hashlib
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from mpistrat.checkpoint.files import state_name
+from mpistrat.checkpoint.graph import collect_slots
+from mpistrat.checkpoint.state_file import read_state
+from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+from mpistrat.errors import DataLossError, NotFoundError
+from mpistrat.runtime import timeline
+from mpistrat.tfformats.bundle import (STRING, BundleEntry, BundleIndex, decode_value,
+                                       index_name, is_bundle, read_index, read_value)
+from mpistrat.tfformats.object_graph import GRAPH_KEY, ObjectGraph, parse_graph
+
+__all__ = ["load_checkpoint", "list_variables", "CheckpointReader", "resolve_prefix", "latest_in",
+           "restore_tensorflow", "open_values", "read_collective", "assign_readers",
+           "TensorFlowValues"]
+
+_BATCH_BYTES = 64 << 20
+_VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
+_CHUNK = 1 << 30
+
+
+def latest_in(directory: str) -> str:
+    """The path of the latest checkpoint the state file of ``directory`` names (confined
+    to the directory), else ``NotFoundError``; either format."""
+    state = read_state(directory)
+    name = state_name(directory, state.model_checkpoint_path) if state else None
+    if name is None:
+        raise NotFoundError(f"no checkpoint in directory {directory}: its 'checkpoint' state "
+                            f"file is missing or names no checkpoint inside it")
+    return os.path.join(directory, name)
+
+
+def resolve_prefix(ckpt_dir_or_file: str) -> str:
+    """The bundle prefix named by a directory (its state file's latest) or a prefix."""
+    path = os.fspath(ckpt_dir_or_file)
+    if path.endswith(".index") and is_bundle(path[:-6]):
+        return path[:-6]
+    if os.path.isdir(path):
+        path = latest_in(path)
+    if not is_bundle(path):
+        ours = os.path.isfile(path if path.endswith(".h5") else path + ".h5")
+        raise NotFoundError(f"no TensorFlow checkpoint at {path} (looked for {index_name(path)})"
+                            + ("; that is one of ours: restore it with ms.Checkpoint, or "
+                               "convert it with python -m mpistrat convert" if ours else ""))
+    return path
+
+
+class CheckpointReader:
+    """The tensors of one TensorFlow checkpoint, as ``tf.train.load_checkpoint`` returns."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self._index = read_index(prefix)
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._index.entries
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        """The value at key ``name`` (read and CRC-checked now)."""
+        entry = self._index.entries.get(name)
+        if entry is None:
+            raise NotFoundError(f"Key {name} not found in checkpoint {self.prefix}")
+        value = read_value(entry)
+        return value[()] if entry.enum == STRING and value.shape == () else value
+
+    def get_variable_to_shape_map(self) -> Dict[str, List[int]]:
+        return {k: list(e.shape) for k, e in sorted(self._index.entries.items())}
+
+    def get_variable_to_dtype_map(self) -> Dict[str, np.dtype]:
+        """Key -> NumPy dtype (``object`` for strings, ``ml_dtypes.bfloat16``, ...)."""
+        return {k: e.dtype for k, e in sorted(self._index.entries.items())}
+
+
+def load_checkpoint(ckpt_dir_or_file: str) -> CheckpointReader:
+    """A reader of the TensorFlow checkpoint at a prefix, or a directory's latest."""
+    return CheckpointReader(resolve_prefix(ckpt_dir_or_file))
+
+
+def list_variables(ckpt_dir_or_file: str) -> List[Tuple[str, List[int]]]:
+    """``(key, shape)`` of every tensor of the checkpoint, sorted by key."""
+    return sorted(load_checkpoint(ckpt_dir_or_file).get_variable_to_shape_map().items())
+
+
+# -- reading on every rank ----------------------------------------------------------------
+def assign_readers(sizes: Sequence[int], ranks: int) -> List[int]:
+    """The rank that reads each value: largest first, each to the least loaded rank
+    (lowest rank on ties), so every rank reads about 1/ranks of the bytes."""
+    loads = [0] * ranks
+    readers = [0] * len(sizes)
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(ranks), key=lambda r: (loads[r], r))
+        readers[index] = rank
+        loads[rank] += sizes[index]
+    return readers
+
+
+def _batches(entries: Dict[str, BundleEntry]) -> List[List[str]]:
+    batches: List[List[str]] = [[]]
+    size = 0
+    for path in sorted(entries):
+        if batches[-1] and size + entries[path].size > _BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(path)
+        size += entries[path].size
+    return [b for b in batches if b]
+
+
+def read_collective(entries: Dict[str, BundleEntry], engine):
+    """Every value of ``entries`` (path -> entry) on every rank, each read once (collective);
+    yields them in dicts of about 64 MiB.
+
+    For each batch the values are dealt to ranks by size, each rank reads its own with
+    MPI-IO, read failures are agreed, each value is broadcast from its reader, and every rank
+    decodes and checks it (so a CRC mismatch raises on every rank alike).
+    """
+    handles: Dict[str, MPI.File] = {}
+    try:
+        for batch in _batches(entries):
+            readers = assign_readers([entries[p].size for p in batch], engine.size)
+            raws = {p: np.empty(entries[p].size, dtype=np.uint8) for p in batch}
+            failure = None
+            try:
+                for path, reader in zip(batch, readers):
+                    if reader == engine.rank:
+                        _read_at(entries[path], raws[path], handles)
+            except (DataLossError, NotFoundError, OSError) as err:
+                failure = Failure(err, engine.rank, "reading a TensorFlow checkpoint")
+            agree_errors(engine, failure, "restoring a TensorFlow checkpoint")
+            values = {}
+            for path, reader in zip(batch, readers):
+                raw = raws.pop(path)
+                for lo in range(0, raw.size, _CHUNK):
+                    engine.comm.Bcast(raw[lo:lo + _CHUNK], root=reader)
+                values[path] = decode_value(entries[path], raw)
+            yield values
+    finally:
+        for handle in handles.values():
+            handle.Close()
+
+
+def _read_at(entry: BundleEntry, raw: np.ndarray, handles: Dict[str, MPI.File]) -> None:
+    handle = handles.get(entry.file)
+    if handle is None:
+        try:
+            handle = handles[entry.file] = MPI.File.Open(MPI.COMM_SELF, entry.file,
+                                                         MPI.MODE_RDONLY)
+        except MPI.Exception as err:
+            raise NotFoundError(f"{entry.file} cannot be opened: "
+                                f"{err.Get_error_string()}") from None
+    for lo in range(0, raw.size, _CHUNK):
+        part = raw[lo:lo + _CHUNK]
+        status = MPI.Status()
+        handle.Read_at(entry.offset + lo, part, status)
+        if status.Get_count(MPI.BYTE) != part.size:
+            raise DataLossError(f"{entry.file}: short read at offset {entry.offset + lo} for "
+                                f"key {entry.key!r} (the data shard is truncated)")
+
+
+# -- matching our objects to the graph ----------------------------------------------------
+class TensorFlowValues:
+    """A TensorFlow checkpoint's values by our object paths, matched through its graph."""
+
+    def __init__(self, index: BundleIndex, graph: Optional[ObjectGraph]):
+        self.index, self.graph = index, graph
+        self.source = index.prefix
+        if graph is None:  # no object graph (TF1, or written by hand): keys are the paths
+            self.by_path = {k[:-len(_VALUE)] if k.endswith(_VALUE) else k: k
+                            for k in index.entries}
+        else:  # values the graph names but the index lacks (TensorFlow's sharded writes
+            # leave out empty tensors) are not in the checkpoint
+            self.by_path = {v.path: v.key for v in graph.values if v.key in index.entries}
+        self.unmatched = set(self.by_path)
+        names: Dict[str, List[str]] = {}
+        for value in (graph.values if graph is not None else ()):
+            if value.full_name and value.path in self.by_path:
+                names.setdefault(value.full_name, []).append(value.path)
+        self.by_full_name = {n: p[0] for n, p in names.items() if len(p) == 1}
+
+    def match(self, slots) -> Dict[str, str]:
+        """Our slot path -> the checkpoint path it restores from."""
+        found: Dict[str, str] = {}
+        for path, slot in slots.items():
+            target = None
+            if self.graph is None:
+                target = path if path in self.by_path else None
+            else:
+                value = self.graph.find(path)
+                target = value.path if value is not None and value.path in self.by_path \
+                    else None
+            owner = slot.owner
+            if target is None and type(owner).__module__.startswith("keras"):
+                target = self.by_full_name.get(getattr(owner, "path", None))  # Keras 3
+            if target is not None:
+                found[path] = target
+        return found
+
+    def entry(self, checkpoint_path: str) -> BundleEntry:
+        return self.index.entries[self.by_path[checkpoint_path]]
+
+    # the deferred restore protocol of Checkpoint (objects attached after restore)
+    def __len__(self) -> int:
+        return len(self.unmatched)
+
+    def apply(self, checkpoint, named, check) -> None:
+        """Restore values for objects attached after the restore (this rank alone)."""
+        slots = collect_slots(named, checkpoint._assign)
+        found = {p: t for p, t in self.match(slots).items() if t in self.unmatched}
+        for path, target in sorted(found.items()):
+            check(slots[path], self.entry(target), path, self.source)
+        values = {p: read_value(self.entry(t)) for p, t in found.items()}
+        matched = checkpoint._apply(slots, values, self.source)
+        self.unmatched -= {found[p] for p in matched}
+        status = checkpoint._status
+        if status is not None:
+            status.matched |= matched
+            status.unmatched_values -= {found[p] for p in matched}
+
+
+def graph_entry(index: BundleIndex) -> Optional[BundleEntry]:
+    """The entry of the object graph (a string scalar), or ``None`` without one."""
+    entry = index.entries.get(GRAPH_KEY)
+    if entry is not None and (entry.enum != STRING or entry.shape != ()):
+        raise DataLossError(f"{index_name(index.prefix)}: {GRAPH_KEY} is not a string scalar")
+    return entry
+
+
+def read_graph(index: BundleIndex) -> Optional[ObjectGraph]:
+    """The object graph of ``index``, read by this process alone."""
+    entry = graph_entry(index)
+    return None if entry is None else parse_graph(read_value(entry)[()],
+                                                  f"{entry.file}, key {GRAPH_KEY!r}")
+
+
+def _digest(index: BundleIndex) -> str:
+    text = repr(sorted((k, e.enum, e.shape, e.offset, e.size, e.crc)
+                       for k, e in index.entries.items()))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def open_values(prefix: str, engine) -> TensorFlowValues:
+    """The validated index and graph of ``prefix``, the same on every rank (collective)."""
+    failure, index, entry = None, None, None
+    try:
+        index = read_index(prefix)
+        entry = graph_entry(index)
+    except (DataLossError, NotFoundError, ValueError) as err:
+        failure = Failure(err, engine.rank)
+    agree_errors(engine, failure, f"reading {prefix}")
+    agree_view(engine, _digest(index), f"{index_name(prefix)} (its contents)",
+               error=DataLossError)
+    graph = None
+    if entry is not None:  # read by one rank, checked and parsed by all (the same bytes)
+        data = next(read_collective({GRAPH_KEY: entry}, engine))[GRAPH_KEY][()]
+        graph = parse_graph(data, f"{entry.file}, key {GRAPH_KEY!r}")
+    return TensorFlowValues(index, graph)
+
+
+def restore_tensorflow(checkpoint, prefix: str, engine, check):
+    """Restore ``checkpoint``'s objects from the TensorFlow checkpoint ``prefix`` (collective).
+
+    ``check(slot, entry_or_value, path, source)`` is the Checkpoint's compatibility check.
+    Returns ``(matched paths, TensorFlowValues (what is left for later), missing paths)``.
+    """
+    values = open_values(prefix, engine)
+    slots = collect_slots(checkpoint._named(), checkpoint._assign)
+    found = values.match(slots)
+    for path, target in sorted(found.items()):
+        check(slots[path], values.entry(target), path, prefix)
+    matched = set()
+    wanted = {p: values.entry(t) for p, t in found.items()}
+    with timeline.span("checkpoint restore", "checkpoint", file=os.path.basename(prefix),
+                       nbytes=sum(e.size for e in wanted.values())):
+        for batch in read_collective(wanted, engine):
+            matched |= checkpoint._apply(slots, batch, prefix)  # applied as read
+    values.unmatched -= {found[p] for p in matched}
+    missing = set(slots) - set(found)
+    if "save_counter" not in values.by_path:  # TensorFlow makes it on the first save()
+        missing.discard("save_counter")
+    return matched, values, missing

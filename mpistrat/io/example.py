@@ -1,0 +1,260 @@
+"""``tf.train.Example`` parsing as ``tf.io.parse_single_example`` / ``parse_example``, to NumPy.
+
+Features are ``FixedLenFeature(shape, dtype, default_value=None)`` and
+``VarLenFeature(dtype)``, with dtype ``float32``, ``int64`` or ``string`` (as a string, a
+NumPy type, ``bytes``, or a TensorFlow dtype). Results are NumPy arrays (strings: object
+arrays of ``bytes``); a ``VarLenFeature`` gives a :class:`SparseTensorValue` with
+``indices`` (int64, one row per value: its position, or example and position for a batch),
+``values`` and ``dense_shape``, as TensorFlow's ``SparseTensor`` holds them::
+
+    >>> import mpistrat as ms
+    >>> data = ms.io.serialize_example({"x": [1.0, 2.0], "tags": [7, 8, 9], "id": [b"a"]})
+    >>> parsed = ms.io.parse_single_example(data, {
+    ...     "x": ms.io.FixedLenFeature([2], "float32"),
+    ...     "id": ms.io.FixedLenFeature([], "string"),
+    ...     "tags": ms.io.VarLenFeature("int64"),
+    ...     "w": ms.io.FixedLenFeature([], "float32", default_value=0.5)})
+    >>> parsed["x"].tolist(), parsed["id"][()], parsed["tags"].values.tolist(), float(parsed["w"])
+    ([1.0, 2.0], b'a', [7, 8, 9], 0.5)
+    >>> batch = ms.io.parse_example([data, data], {"tags": ms.io.VarLenFeature("int64")})
+    >>> batch["tags"].dense_shape.tolist(), batch["tags"].indices[:2].tolist()
+    ([2, 3], [[0, 0], [0, 1]])
+
+Examples are parsed by protobuf's classes (our own definitions, ``tfformats.messages``), or
+by the pure-Python wire reader where protobuf is missing (slower: docs/benchmarks.md).
+Malformed data, a missing required feature, a wrong type or count raise
+``InvalidArgumentError`` naming the feature, as TensorFlow does.
+"""
+
+import math
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from mpistrat.errors import DataLossError, InvalidArgumentError
+from mpistrat.tfformats import messages
+from mpistrat.tfformats.wire import varint
+
+__all__ = ["FixedLenFeature", "VarLenFeature", "SparseTensorValue", "parse_single_example",
+           "parse_example", "serialize_example"]
+
+_KINDS = {"float32": "float_list", "int64": "int64_list", "string": "bytes_list"}
+_NUMPY = {"float32": np.dtype(np.float32), "int64": np.dtype(np.int64),
+          "string": np.dtype(object)}
+_TF_NAMES = {"float32": "float", "int64": "int64", "string": "string"}
+
+
+def _dtype_name(dtype) -> str:
+    """``float32``, ``int64`` or ``string`` from any of their spellings."""
+    name = getattr(dtype, "name", None)          # TensorFlow's and NumPy's dtypes
+    if not isinstance(name, str):
+        if dtype in (bytes, str, object, np.bytes_, np.str_, np.object_):
+            name = "string"
+        else:
+            try:
+                name = np.dtype(dtype).name
+            except TypeError:
+                name = str(dtype)
+    name = {"float": "float32", "bytes": "string", "object": "string", "str": "string",
+            "bytes_": "string"}.get(name, name)
+    if name not in _KINDS:
+        raise InvalidArgumentError(f"feature dtype {dtype!r}: tf.train.Example holds float32, "
+                                   f"int64 or string")
+    return name
+
+
+class FixedLenFeature(NamedTuple):
+    """A feature of fixed ``shape``; ``default_value`` fills in when it is missing."""
+
+    shape: Sequence[int]
+    dtype: Any
+    default_value: Any = None
+
+
+class VarLenFeature(NamedTuple):
+    """A feature of any length: parsed into a :class:`SparseTensorValue`."""
+
+    dtype: Any
+
+
+class SparseTensorValue(NamedTuple):
+    """``indices`` (int64 [n, rank]), ``values`` [n] and ``dense_shape`` (int64 [rank])."""
+
+    indices: np.ndarray
+    values: np.ndarray
+    dense_shape: np.ndarray
+
+
+class _Spec:
+    """A feature, checked once: its dtype name, list kind, shape and default."""
+
+    def __init__(self, name: str, feature):
+        if not isinstance(feature, (FixedLenFeature, VarLenFeature)):
+            raise InvalidArgumentError(f"feature {name!r}: expected FixedLenFeature or "
+                                       f"VarLenFeature, got {type(feature).__name__}")
+        self.name, self.dtype = name, _dtype_name(feature.dtype)
+        self.kind, self.numpy = _KINDS[self.dtype], _NUMPY[self.dtype]
+        self.fixed = isinstance(feature, FixedLenFeature)
+        self.shape: tuple = ()
+        self.default = None
+        if self.fixed:
+            self.shape = tuple(int(d) for d in feature.shape)
+            if any(d < 0 for d in self.shape):
+                raise InvalidArgumentError(f"feature {name!r}: shape {list(self.shape)} must "
+                                           f"be fully defined")
+            if feature.default_value is not None:
+                default = np.asarray(feature.default_value, dtype=self.numpy)
+                if default.size == math.prod(self.shape):
+                    default = default.reshape(self.shape)
+                self.default = self._piece(np.broadcast_to(default, self.shape).reshape(-1))
+        self.size = math.prod(self.shape)
+
+    def _piece(self, values: np.ndarray):
+        """A default as gathered: float32 as little-endian bytes (joined into one array at
+        the end), int64 and strings as lists."""
+        return values.astype("<f4").tobytes() if self.dtype == "float32" else list(values)
+
+    def values(self, feature, index: int):
+        """The values of ``feature`` (a parsed ``Feature`` or ``None``), checked."""
+        kind = None if feature is None else feature.WhichOneof("kind")
+        if kind is None:
+            if not self.fixed:
+                return b"" if self.dtype == "float32" else []
+            if self.default is None:
+                raise InvalidArgumentError(
+                    f"Feature: {self.name} (data type: {_TF_NAMES[self.dtype]}) is required "
+                    f"but could not be found (example {index})")
+            return self.default
+        if kind != self.kind:
+            raise InvalidArgumentError(
+                f"Key: {self.name}.  Data types don't match. Expected type: "
+                f"{_TF_NAMES[self.dtype]}, Actual type: {kind.split('_')[0]} (example {index})")
+        holder = getattr(feature, kind)
+        count = len(holder.value)
+        if self.fixed and count != self.size:
+            raise InvalidArgumentError(
+                f"Key: {self.name}, Index: {index}.  Number of {_TF_NAMES[self.dtype]} values "
+                f"!= expected.  Values size: {count} but output shape: {list(self.shape)}")
+        if self.dtype != "float32":
+            return list(holder.value)
+        if isinstance(holder.value, np.ndarray):      # the pure-Python wire reader's
+            return holder.value.astype("<f4").tobytes()
+        # protobuf's: its encoding is the packed floats behind one tag and length (much
+        # faster than element by element); anything else there (unknown fields) goes slowly
+        raw = holder.SerializeToString() if count else b""
+        if raw[:len(raw) - 4 * count] == b"\x0a" + varint(4 * count) or not count:
+            return raw[len(raw) - 4 * count:]
+        return np.array(holder.value, dtype="<f4").tobytes()
+
+
+def _specs(features: Dict[str, Any]) -> List[_Spec]:
+    if not isinstance(features, dict) or not features:
+        raise InvalidArgumentError("features must be a non-empty dict of name -> "
+                                   "FixedLenFeature or VarLenFeature")
+    return [_Spec(str(name), feature) for name, feature in sorted(features.items())]
+
+
+def _array(pieces: List, spec: _Spec) -> np.ndarray:
+    """One array of every example's values (pieces from ``_Spec.values``)."""
+    if spec.dtype == "float32":
+        return np.frombuffer(b"".join(pieces), dtype="<f4").astype(np.float32)
+    flat = [v for piece in pieces for v in piece]
+    if spec.dtype == "int64":
+        return np.array(flat, dtype=np.int64)
+    out = np.empty(len(flat), dtype=object)
+    out[:] = [bytes(v) for v in flat]
+    return out
+
+
+def _count(piece, spec: _Spec) -> int:
+    return len(piece) // 4 if spec.dtype == "float32" else len(piece)
+
+
+def _parse(data, index: int):
+    if not isinstance(data, (bytes, bytearray, memoryview, np.bytes_)):
+        raise InvalidArgumentError(f"example {index}: expected serialized bytes, got "
+                                   f"{type(data).__name__}")
+    try:
+        return messages.parse("Example", data, f"example {index}").features.feature
+    except DataLossError as err:
+        raise InvalidArgumentError(f"Could not parse example input: {err}") from None
+
+
+def _gather(examples, specs: List[_Spec]) -> Dict[str, list]:
+    """Per feature, the checked values of every example (a list per example)."""
+    columns: Dict[str, list] = {spec.name: [] for spec in specs}
+    for index, data in enumerate(examples):
+        found = _parse(data, index)
+        for spec in specs:
+            columns[spec.name].append(spec.values(found[spec.name] if spec.name in found
+                                                  else None, index))
+    return columns
+
+
+def parse_example(serialized, features: Dict[str, Any], example_names=None,
+                  name=None) -> Dict[str, Any]:
+    """Parse a batch of serialized examples (a list, or a 1-D object array of ``bytes``).
+
+    FixedLen features give arrays ``[batch] + shape``; VarLen features a
+    :class:`SparseTensorValue` with ``indices`` ``[n, 2]`` (example, position) and
+    ``dense_shape`` ``[batch, longest]``.
+    """
+    examples = list(np.asarray(serialized, dtype=object).reshape(-1)) \
+        if not isinstance(serialized, (list, tuple)) else list(serialized)
+    specs = _specs(features)
+    columns = _gather(examples, specs)
+    out: Dict[str, Any] = {}
+    for spec in specs:
+        lists = columns[spec.name]
+        if spec.fixed:
+            out[spec.name] = _array(lists, spec).reshape((len(examples),) + spec.shape)
+            continue
+        lengths = np.array([_count(v, spec) for v in lists], dtype=np.int64)
+        rows = np.repeat(np.arange(len(lists), dtype=np.int64), lengths)
+        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        positions = np.arange(int(lengths.sum()), dtype=np.int64) - starts
+        values = _array(lists, spec)
+        out[spec.name] = SparseTensorValue(
+            np.stack([rows, positions], axis=1).reshape(-1, 2), values,
+            np.array([len(lists), int(lengths.max()) if len(lists) else 0], dtype=np.int64))
+    return out
+
+
+def parse_single_example(serialized, features: Dict[str, Any], example_names=None,
+                         name=None) -> Dict[str, Any]:
+    """Parse one serialized example: FixedLen features as arrays of their ``shape``,
+    VarLen features as a :class:`SparseTensorValue` with ``indices`` ``[n, 1]``."""
+    if isinstance(serialized, np.ndarray) and serialized.shape == ():
+        serialized = serialized[()]
+    specs = _specs(features)
+    columns = _gather([serialized], specs)
+    out: Dict[str, Any] = {}
+    for spec in specs:
+        values = _array(columns[spec.name], spec)
+        if spec.fixed:
+            out[spec.name] = values.reshape(spec.shape)
+        else:
+            out[spec.name] = SparseTensorValue(
+                np.arange(len(values), dtype=np.int64).reshape(-1, 1), values,
+                np.array([len(values)], dtype=np.int64))
+    return out
+
+
+def serialize_example(features: Dict[str, Any]) -> bytes:
+    """A serialized ``tf.train.Example`` of ``name -> values`` (floats become a float list,
+    integers an int64 list, bytes and strings a bytes list)."""
+    feature = {}
+    for key, values in sorted(features.items()):
+        array = np.asarray(values)
+        if array.dtype.kind in "SUO":
+            items = [v.encode() if isinstance(v, str) else bytes(v) for v in array.reshape(-1)]
+            feature[str(key)] = {"bytes_list": {"value": items}}
+        elif array.dtype.kind in "iub":
+            feature[str(key)] = {"int64_list": {"value": [int(v) for v in array.reshape(-1)]}}
+        elif array.dtype.kind == "f":
+            feature[str(key)] = {"float_list": {"value": array.astype(np.float32).reshape(
+                -1).tolist()}}
+        else:
+            raise InvalidArgumentError(f"feature {key!r}: values of dtype {array.dtype} do not "
+                                       f"fit a tf.train.Example")
+    return messages.serialize("Example", {"features": {"feature": feature}})

@@ -1,0 +1,371 @@
+"""TensorFlow's tensor bundle: a checkpoint's ``PREFIX.index`` and its data shards.
+
+``PREFIX.index`` is a sorted table (:mod:`sstable`): the empty key holds a
+``BundleHeaderProto`` (number of shards, endianness, version), every other key a
+``BundleEntryProto`` (dtype, shape, shard, offset, size, masked CRC-32C). A tensor's bytes
+lie in ``PREFIX.data-SSSSS-of-NNNNN`` at that offset: numbers as raw little-endian values;
+strings as a varint64 length per element, a masked CRC-32C of the lengths (each taken as a
+uint32, or uint64 above 4 GiB), then the bytes of every element; the entry's CRC covers
+the lengths as taken, that checksum and the bytes.
+
+``read_index`` validates every entry against the files before anything is read or
+allocated (dtype known, shape sane, shard present, bytes inside the shard, sizes that match
+dtype and shape); ``decode_value`` checks the CRC and returns a NumPy array (bfloat16 and
+float8 through ``ml_dtypes``, strings as an object array of ``bytes``).
+``encode_value``/``write_shard``/``write_index`` write the same format::
+
+    >>> import numpy as np, tempfile, os
+    >>> from mpistrat.tfformats import bundle
+    >>> prefix = os.path.join(tempfile.mkdtemp(), "ckpt-1")
+    >>> entries = bundle.write_shard(bundle.data_name(prefix, 0, 1),
+    ...                              [("w", np.arange(3, dtype=np.float32))])
+    >>> bundle.write_index(prefix, 1, entries)
+    >>> index = bundle.read_index(prefix)
+    >>> bundle.read_value(index.entries["w"]).tolist()
+    [0.0, 1.0, 2.0]
+"""
+
+import math
+import os
+import stat
+import struct
+import sys
+from dataclasses import dataclass
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from mpistrat.errors import DataLossError, InvalidArgumentError, NotFoundError
+from mpistrat.tfformats import messages
+from mpistrat.tfformats.crc import crc32c, extend, mask, unmask
+from mpistrat.tfformats.sstable import build_table, read_table
+from mpistrat.tfformats.wire import WireError, read_varint, varint
+
+__all__ = ["BundleEntry", "BundleIndex", "read_index", "read_value", "decode_value",
+           "encode_value", "write_shard", "write_index", "data_name", "index_name",
+           "is_bundle", "numpy_dtype", "dtype_enum", "STRING", "MAX_INDEX_BYTES"]
+
+STRING = 7
+MAX_INDEX_BYTES = 1 << 30      # an index this large holds millions of tensors: refused
+_MAX_RANK = 254                 # TensorFlow's limit
+_NUMERIC = {1: "float32", 2: "float64", 3: "int32", 4: "uint8", 5: "int16", 6: "int8",
+            8: "complex64", 9: "int64", 10: "bool", 17: "uint16", 18: "complex128",
+            19: "float16", 22: "uint32", 23: "uint64"}
+_ML_DTYPES = {14: "bfloat16", 24: "float8_e5m2", 25: "float8_e4m3fn", 26: "float8_e4m3fnuz",
+              27: "float8_e4m3b11fnuz", 28: "float8_e5m2fnuz"}
+_REFUSED = {11: "qint8", 12: "quint8", 13: "qint32", 15: "qint16", 16: "quint16",
+            20: "resource", 21: "variant", 29: "int4", 30: "uint4", 31: "int2", 32: "uint2",
+            33: "float4_e2m1fn"}
+
+
+def numpy_dtype(enum: int, where: str) -> np.dtype:
+    """The NumPy dtype of TensorFlow's ``DataType`` ``enum`` (``object`` for strings)."""
+    if enum == STRING:
+        return np.dtype(object)
+    if enum in _NUMERIC:
+        return np.dtype(_NUMERIC[enum])
+    if enum in _ML_DTYPES:
+        import ml_dtypes
+        return np.dtype(getattr(ml_dtypes, _ML_DTYPES[enum]))
+    if enum in _REFUSED:
+        raise InvalidArgumentError(f"{where}: TensorFlow dtype {_REFUSED[enum]} is not "
+                                   f"supported (numbers, bool, bfloat16, float8 and strings are)")
+    raise DataLossError(f"{where}: unknown TensorFlow dtype {enum}: the file is corrupt")
+
+
+def dtype_enum(dtype: np.dtype) -> int:
+    """TensorFlow's ``DataType`` for a NumPy dtype (``object``/bytes: ``DT_STRING``)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind in "OS":
+        return STRING
+    for table in (_NUMERIC, _ML_DTYPES):
+        for enum, name in table.items():
+            if dtype.name == name:
+                return enum
+    raise InvalidArgumentError(f"dtype {dtype} has no TensorFlow checkpoint equivalent")
+
+
+def index_name(prefix: str) -> str:
+    return f"{prefix}.index"
+
+
+def data_name(prefix: str, shard: int, num_shards: int) -> str:
+    return f"{prefix}.data-{shard:05d}-of-{num_shards:05d}"
+
+
+def is_bundle(prefix: str) -> bool:
+    """Whether ``prefix`` names a TensorFlow checkpoint (its ``.index`` is a file)."""
+    return os.path.isfile(index_name(os.fspath(prefix)))
+
+
+@dataclass
+class BundleEntry:
+    """One tensor of a bundle, validated against its data shard."""
+
+    key: str
+    enum: int
+    dtype: np.dtype
+    shape: Tuple[int, ...]
+    file: str
+    offset: int
+    size: int
+    crc: int               # as stored (masked)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the value in memory (strings: as stored)."""
+        return self.size
+
+    @property
+    def count(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class BundleIndex:
+    """A checkpoint's ``.index``: its shards and every entry (key -> :class:`BundleEntry`)."""
+
+    prefix: str
+    num_shards: int
+    entries: Dict[str, BundleEntry]
+
+
+def _read_small_file(path: str, limit: int, what: str) -> bytes:
+    try:  # non-blocking: a FIFO planted under the name must not hang us
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise NotFoundError(f"{what} {path} does not exist") from None
+    except OSError as err:
+        raise DataLossError(f"{what} {path} cannot be read: {err}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise DataLossError(f"{what} {path} is not a regular file")
+        if info.st_size > limit:
+            raise DataLossError(f"{what} {path} holds {info.st_size} bytes, more than the "
+                                f"{limit} a checkpoint index may have")
+        chunks, left = [], info.st_size
+        while left > 0:
+            chunk = os.pread(fd, left, info.st_size - left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_index(prefix: str) -> BundleIndex:
+    """The validated index of the bundle at ``prefix`` (reads ``PREFIX.index`` only)."""
+    prefix = os.fspath(prefix)
+    path = index_name(prefix)
+    table = read_table(_read_small_file(path, MAX_INDEX_BYTES, "checkpoint index"), path)
+    if not table or table[0][0] != b"":
+        raise DataLossError(f"{path}: the bundle header (empty key) is missing")
+    header = messages.parse("BundleHeaderProto", table[0][1], f"{path}, the bundle header")
+    _check_header(header, path)
+    shards = [data_name(prefix, k, header.num_shards) for k in range(header.num_shards)]
+    sizes: Dict[int, int] = {}
+    entries: Dict[str, BundleEntry] = {}
+    for raw_key, value in table[1:]:
+        try:
+            key = raw_key.decode("utf-8")
+        except UnicodeDecodeError:
+            raise DataLossError(f"{path}: a key is not UTF-8 text ({raw_key[:40]!r})") from None
+        where = f"{path}, key {key!r}"
+        proto = messages.parse("BundleEntryProto", value, where)
+        entry = _entry(key, proto, shards, sizes, where)
+        entries[key] = entry
+    return BundleIndex(prefix, header.num_shards, entries)
+
+
+def _check_header(header, path: str) -> None:
+    if not 1 <= header.num_shards <= 100000:
+        raise DataLossError(f"{path}: the bundle header claims {header.num_shards} shards")
+    if header.endianness != 0:
+        raise InvalidArgumentError(f"{path}: a big-endian bundle; only little-endian "
+                                   f"checkpoints are read")
+    version = header.version
+    if version.min_consumer > 1 or 1 in list(version.bad_consumers) or version.producer < 0:
+        raise InvalidArgumentError(f"{path}: bundle format version (producer "
+                                   f"{version.producer}, min_consumer {version.min_consumer}) "
+                                   f"is newer than this reader (1)")
+
+
+def _shard_size(shards: List[str], shard: int, sizes: Dict[int, int], where: str) -> int:
+    if shard not in sizes:
+        path = shards[shard]
+        try:
+            info = os.stat(path)
+        except FileNotFoundError:
+            raise NotFoundError(f"{where}: data shard {path} is missing") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise DataLossError(f"{where}: data shard {path} is not a regular file")
+        sizes[shard] = info.st_size
+    return sizes[shard]
+
+
+def _entry(key: str, proto, shards: List[str], sizes: Dict[int, int],
+           where: str) -> BundleEntry:
+    if len(proto.slices):
+        raise InvalidArgumentError(f"{where}: a partitioned (sliced) tensor; restore it in "
+                                   f"TensorFlow and save it whole to read it here")
+    dtype = numpy_dtype(proto.dtype, where)
+    if proto.shape.unknown_rank or len(proto.shape.dim) > _MAX_RANK:
+        raise DataLossError(f"{where}: invalid shape (unknown rank or over {_MAX_RANK} dims)")
+    shape = tuple(int(d.size) for d in proto.shape.dim)
+    if any(d < 0 for d in shape):
+        raise DataLossError(f"{where}: invalid shape {list(shape)}")
+    if not 0 <= proto.shard_id < len(shards):
+        raise DataLossError(f"{where}: shard {proto.shard_id} of a bundle of {len(shards)}")
+    if proto.offset < 0 or proto.size < 0:
+        raise DataLossError(f"{where}: negative offset {proto.offset} or size {proto.size}")
+    count = math.prod(shape)                       # Python ints: never wraps
+    if proto.dtype == STRING:
+        low = count + 4 if count else 0            # a varint and the length checksum at least
+        if proto.size < low:
+            raise DataLossError(f"{where}: {proto.size} bytes cannot hold {count} strings")
+    elif proto.size != count * dtype.itemsize:
+        raise DataLossError(f"{where}: {proto.size} bytes stored for {dtype.name}"
+                            f"{list(shape)}, which needs {count * dtype.itemsize}")
+    file_size = _shard_size(shards, proto.shard_id, sizes, where)
+    if proto.offset + proto.size > file_size:
+        raise DataLossError(f"{where}: bytes [{proto.offset}, {proto.offset + proto.size}) lie "
+                            f"beyond the end of {shards[proto.shard_id]} ({file_size} bytes; "
+                            f"the shard is truncated?)")
+    return BundleEntry(key, proto.dtype, dtype, shape, shards[proto.shard_id],
+                       int(proto.offset), int(proto.size), int(proto.crc32c))
+
+
+# -- values -------------------------------------------------------------------------------
+def read_value(entry: BundleEntry) -> np.ndarray:
+    """Read and decode ``entry`` from its shard (this process alone)."""
+    buffer = bytearray(entry.size)
+    view = memoryview(buffer)
+    with open(entry.file, "rb", buffering=0) as handle:
+        got = 0
+        while got < entry.size:
+            n = os.preadv(handle.fileno(), [view[got:]], entry.offset + got)
+            if n <= 0:
+                raise DataLossError(f"{entry.file}: short read at offset {entry.offset + got} "
+                                    f"for key {entry.key!r} (the shard was truncated?)")
+            got += n
+    return decode_value(entry, buffer)
+
+
+def decode_value(entry: BundleEntry, raw) -> np.ndarray:
+    """The value of ``entry`` from its ``raw`` stored bytes (CRC checked).
+
+    Numbers are a view of ``raw`` when it is writable (a ``bytearray`` or NumPy buffer).
+    """
+    where = f"{entry.file}, key {entry.key!r}"
+    if len(raw) != entry.size:
+        raise DataLossError(f"{where}: {len(raw)} bytes read, {entry.size} expected")
+    if entry.enum == STRING:
+        return _decode_strings(entry, memoryview(raw), where)
+    if crc32c(raw) != unmask(entry.crc):
+        raise DataLossError(f"{where}: CRC-32C mismatch: the data shard is corrupt")
+    if sys.byteorder == "little":
+        return np.frombuffer(raw, dtype=entry.dtype).reshape(entry.shape)
+    stored = np.frombuffer(raw, dtype=entry.dtype.newbyteorder("<"))
+    return stored.astype(entry.dtype).reshape(entry.shape)
+
+
+def _length_bytes(length: int) -> bytes:
+    return struct.pack("<I", length) if length <= 0xFFFFFFFF else struct.pack("<Q", length)
+
+
+def _decode_strings(entry: BundleEntry, raw: memoryview, where: str) -> np.ndarray:
+    out = np.empty(entry.count, dtype=object)
+    if entry.size == 0:                      # TensorFlow writes nothing for some empties
+        out[:] = b""
+        return out.reshape(entry.shape)
+    lengths, pos = [], 0
+    try:
+        for _ in range(entry.count):
+            length, pos = read_varint(raw, pos, len(raw))
+            lengths.append(length)
+    except WireError as err:
+        raise DataLossError(f"{where}: bad string lengths ({err})") from None
+    if pos + 4 + sum(lengths) != len(raw):
+        raise DataLossError(f"{where}: string lengths add up to {pos + 4 + sum(lengths)} "
+                            f"bytes, the entry has {len(raw)}")
+    crc = crc32c(b"".join(_length_bytes(n) for n in lengths))
+    (stored,) = struct.unpack_from("<I", raw, pos)
+    if unmask(stored) != crc:
+        raise DataLossError(f"{where}: CRC-32C mismatch in the string lengths")
+    crc = extend(extend(crc, raw[pos:pos + 4]), raw[pos + 4:])
+    if crc != unmask(entry.crc):
+        raise DataLossError(f"{where}: CRC-32C mismatch: the data shard is corrupt")
+    pos += 4
+    for index, length in enumerate(lengths):
+        out[index] = bytes(raw[pos:pos + length])
+        pos += length
+    return out.reshape(entry.shape)
+
+
+def encode_value(value) -> Tuple[int, Tuple[int, ...], bytes, int]:
+    """``(dtype enum, shape, stored bytes, masked CRC)`` of a NumPy value."""
+    value = np.asarray(value)
+    enum = dtype_enum(value.dtype)
+    if enum != STRING:
+        data = np.ascontiguousarray(value.astype(value.dtype.newbyteorder("<"),
+                                                 copy=False)).tobytes()
+        return enum, value.shape, data, mask(crc32c(data))
+    items = [bytes(v) if not isinstance(v, str) else v.encode() for v in value.reshape(-1)]
+    lengths = b"".join(varint(len(v)) for v in items)
+    crc = crc32c(b"".join(_length_bytes(len(v)) for v in items))
+    checksum = struct.pack("<I", mask(crc))
+    body = b"".join(items)
+    crc = extend(extend(crc, checksum), body)
+    return enum, value.shape, lengths + checksum + body, mask(crc)
+
+
+def _write_atomically(path: str, chunks) -> None:
+    """Write the bytes ``chunks`` yields to ``path``: a temporary name, fsync, rename."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as handle:
+            for chunk in chunks:
+                handle.write(chunk)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_shard(path: str, items: Sequence[Tuple[str, np.ndarray]],
+                shard: int = 0) -> List[dict]:
+    """Write one data shard holding ``items`` (key, value), atomically; the entries for
+    ``write_index``."""
+    entries: List[dict] = []
+
+    def chunks():
+        offset = 0
+        for key, value in items:
+            enum, shape, data, crc = encode_value(value)
+            entries.append({"key": key, "dtype": enum, "shape": {"dim": [
+                {"size": int(d)} for d in shape]}, "shard_id": shard, "offset": offset,
+                "size": len(data), "crc32c": crc})
+            offset += len(data)
+            yield data
+
+    _write_atomically(path, chunks())
+    return entries
+
+
+def write_index(prefix: str, num_shards: int, entries: Sequence[dict]) -> None:
+    """Write ``PREFIX.index`` for ``entries`` (from ``write_shard``, any shard order)."""
+    header = messages.serialize("BundleHeaderProto", {
+        "num_shards": num_shards, "endianness": 0, "version": {"producer": 1}})
+    rows = [(b"", header)]
+    for entry in sorted(entries, key=lambda e: e["key"].encode()):
+        fields = {k: v for k, v in entry.items() if k != "key"}
+        rows.append((entry["key"].encode(), messages.serialize("BundleEntryProto", fields)))
+    _write_atomically(index_name(prefix), [build_table(rows)])

@@ -1,0 +1,116 @@
+"""Our cache of a TFRecord file's record offsets (not a TensorFlow format).
+
+Finding record k of a TFRecord file means walking every header before it, so the offsets
+(``records.scan_offsets``) are kept in a small file, made once per data file and rebuilt
+when the data file changes (another size or modification time). The cache is treated as
+hostile like any file: one that is damaged, for another file, or inconsistent with it is
+ignored and rebuilt, never trusted. Layout (little-endian)::
+
+    b"mpistrat tfrecord index\\n" | uint64 version, data file size, mtime (ns),
+    compression (0 none, 1 GZIP, 2 ZLIB), record count, 0 | int64 offset x (count + 1)
+    | uint32 CRC-32C of everything before
+
+The cache lives beside the data (``.NAME.mpistrat-index``) or, when a directory is named,
+there (``HASH-NAME.mpistrat-index``, the hash of the data file's absolute path)::
+
+    >>> import numpy as np, os, tempfile
+    >>> from mpistrat.tfformats.records import frame
+    >>> from mpistrat.tfformats.record_index import load_index, save_index
+    >>> path = os.path.join(tempfile.mkdtemp(), "a.tfrecord")
+    >>> with open(path, "wb") as f: _ = f.write(frame(b"x") + frame(b"yz"))
+    >>> save_index(path, None, None, np.array([0, 17, 35]))
+    True
+    >>> load_index(path, None, None).tolist()
+    [0, 17, 35]
+"""
+
+import hashlib
+import os
+import struct
+from typing import Optional
+
+import numpy as np
+
+from mpistrat.tfformats.crc import crc32c
+
+__all__ = ["index_path", "load_index", "save_index", "fingerprint"]
+
+_MAGIC = b"mpistrat tfrecord index\n"
+_VERSION = 1
+_FIELDS = struct.Struct("<6Q")
+_CODES = {None: 0, "GZIP": 1, "ZLIB": 2}
+_MIN_RECORD = 16       # header and footer of an empty record
+
+
+def index_path(path: str, index_dir: Optional[str]) -> str:
+    """Where the cache of data file ``path`` lives."""
+    directory, name = os.path.split(os.path.abspath(path))
+    if index_dir is None:
+        return os.path.join(directory, f".{name}.mpistrat-index")
+    digest = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:16]
+    return os.path.join(index_dir, f"{digest}-{name}.mpistrat-index")
+
+
+def fingerprint(path: str):
+    """``(size, mtime in ns)`` of the data file: a cache made for other values is stale."""
+    info = os.stat(path)
+    return info.st_size, info.st_mtime_ns
+
+
+def load_index(path: str, compression: Optional[str], index_dir: Optional[str],
+               stats: Optional[dict] = None) -> Optional[np.ndarray]:
+    """The cached offsets of ``path``, or ``None`` if there is no usable cache.
+
+    ``stats["index_bytes"]`` (when given) grows by the bytes read.
+    """
+    cache = index_path(path, index_dir)
+    size, mtime = fingerprint(path)
+    try:
+        with open(cache, "rb") as handle:
+            head = handle.read(len(_MAGIC) + _FIELDS.size)
+            if len(head) < len(_MAGIC) + _FIELDS.size or not head.startswith(_MAGIC):
+                return None
+            version, got_size, got_mtime, code, count, _ = _FIELDS.unpack_from(head, len(_MAGIC))
+            if (version, got_size, got_mtime, code) != (_VERSION, size, mtime,
+                                                        _CODES[compression]):
+                return None
+            if os.fstat(handle.fileno()).st_size != len(head) + 8 * (count + 1) + 4:
+                return None                             # checked before reading the offsets
+            body = handle.read(8 * (count + 1) + 4)
+    except (OSError, ValueError):
+        return None
+    if stats is not None:
+        stats["index_bytes"] = stats.get("index_bytes", 0) + len(head) + len(body)
+    if len(body) != 8 * (count + 1) + 4 or \
+            crc32c(head + body[:-4]) != struct.unpack_from("<I", body, len(body) - 4)[0]:
+        return None
+    offsets = np.frombuffer(body[:-4], dtype="<i8").astype(np.int64)
+    steps = np.diff(offsets)
+    if offsets[0] != 0 or (steps.size and steps.min() < _MIN_RECORD) or \
+            (compression is None and offsets[-1] != size):
+        return None
+    return offsets
+
+
+def save_index(path: str, compression: Optional[str], index_dir: Optional[str],
+               offsets: np.ndarray) -> bool:
+    """Write the cache of ``path`` (atomically); ``False`` if it cannot be written."""
+    cache = index_path(path, index_dir)
+    size, mtime = fingerprint(path)
+    head = _MAGIC + _FIELDS.pack(_VERSION, size, mtime, _CODES[compression], len(offsets) - 1,
+                                 0)  # the last field is reserved
+    body = np.asarray(offsets, dtype="<i8").tobytes()
+    tmp = f"{cache}.tmp-{os.getpid()}"
+    try:
+        if index_dir is not None:
+            os.makedirs(index_dir, exist_ok=True)
+        with open(tmp, "wb") as handle:
+            handle.write(head + body + struct.pack("<I", crc32c(head + body)))
+        os.replace(tmp, cache)
+        return True
+    except OSError:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        return False

@@ -1,0 +1,218 @@
+"""Write the TensorFlow fixtures under tests/data/tf/ with real TensorFlow (2.21).
+
+Needs TensorFlow, which the tests do not: run it from a separate environment,
+
+    python3 -m venv /work/tfvenv && /work/tfvenv/bin/pip install tensorflow-cpu==2.21.0
+    /work/tfvenv/bin/python tests/data/make_tf_fixtures.py
+
+It writes, each beside a JSON of what TensorFlow itself reported when reading the files back
+(so the tests compare bit for bit without TensorFlow):
+
+* ``module/``: a ``tf.Module`` tree saved with ``Checkpoint.save`` (state file included):
+  float32, float64, float16, bfloat16, bool, int8, uint8, int32, int64, complex64, a string
+  tensor and an empty one; ``module_sharded/`` the same values in several data shards.
+* ``keras/``: a Keras 3 model and its Adam optimizer after one training step.
+* ``written/``: ``Checkpoint.write`` (no state file, no save counter suffix).
+* ``slots/``: a legacy ``tf.compat.v1`` Adam optimizer, whose slots are slot variables.
+* ``records/``: TFRecord files of ``tf.train.Example`` (plain, GZIP and ZLIB) with float,
+  int64 and bytes features, fixed and variable length.
+* ``values.json``: per checkpoint, every tensor key with dtype, shape and the bytes TensorFlow
+  returned (hex; strings as hex each); per record file, every record's bytes and the values
+  ``tf.io.parse_single_example`` gave.
+"""
+
+import json
+import os
+import shutil
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf")
+
+
+def _tensor_json(value: np.ndarray) -> dict:
+    value = np.asarray(value)
+    if value.dtype.kind == "O" or value.dtype.kind == "S":
+        flat = [bytes(v).hex() for v in value.reshape(-1)]
+        return {"shape": list(value.shape), "strings": flat}
+    return {"shape": list(value.shape), "hex": np.ascontiguousarray(value).tobytes().hex()}
+
+
+def _report_checkpoint(prefix: str) -> dict:
+    """What tf.train.load_checkpoint reports for every key of ``prefix``."""
+    reader = tf.train.load_checkpoint(prefix)
+    dtypes = reader.get_variable_to_dtype_map()
+    shapes = reader.get_variable_to_shape_map()
+    report = {}
+    for key in sorted(dtypes):
+        value = reader.get_tensor(key)
+        entry = _tensor_json(value)
+        entry["dtype"] = dtypes[key].name
+        assert entry["shape"] == list(shapes[key]), key
+        report[key] = entry
+    return report
+
+
+class Dense(tf.Module):
+    def __init__(self):
+        super().__init__(name="dense")
+        self.kernel = tf.Variable(np.arange(12, dtype=np.float32).reshape(3, 4) / 7)
+        self.bias = tf.Variable(np.array([0.5, -1.25, 3.0, 1e-30], np.float32))
+
+
+class Net(tf.Module):
+    def __init__(self):
+        super().__init__(name="net")
+        rng = np.random.default_rng(18)
+        self.dense = Dense()
+        self.half = tf.Variable(rng.standard_normal((2, 3)).astype(np.float16))
+        self.brain = tf.Variable(tf.constant(rng.standard_normal(5), dtype=tf.bfloat16))
+        self.flags = tf.Variable([True, False, True])
+        self.step = tf.Variable(np.int64(-(2 ** 40) - 3))
+        self.ids = tf.Variable(np.array([[1, -2], [2 ** 31 - 1, -(2 ** 31)]], np.int32))
+        self.small = tf.Variable(np.array([-128, 0, 127], np.int8))
+        self.pixels = tf.Variable(np.array([0, 17, 255], np.uint8))
+        self.wide = tf.Variable(rng.standard_normal((2, 2)))
+        self.phase = tf.Variable(np.array([1 + 2j, -3.5j], np.complex64))
+        self.words = tf.Variable([b"alpha", b"", b"\x00\xffbytes"])
+        self.empty = tf.Variable(np.zeros((0, 3), np.float32))
+        self.layers = [Dense(), Dense()]
+        self.layers[1].kernel.assign(self.layers[1].kernel * -2)
+
+
+def module_checkpoints(report: dict) -> None:
+    net = Net()
+    ckpt = tf.train.Checkpoint(model=net)
+    first = ckpt.save(os.path.join(OUT, "module", "ckpt"))
+    net.step.assign_add(1)
+    net.dense.bias.assign(net.dense.bias * 2)
+    second = ckpt.save(os.path.join(OUT, "module", "ckpt"))
+    report["module/" + os.path.basename(first)] = _report_checkpoint(first)
+    report["module/" + os.path.basename(second)] = _report_checkpoint(second)
+    policy = tf.train.experimental.MaxShardSizePolicy(max_shard_size=256)
+    options = tf.train.CheckpointOptions(experimental_sharding_callback=policy)
+    sharded = ckpt.write(os.path.join(OUT, "module_sharded", "ckpt"), options=options)
+    report["module_sharded/" + os.path.basename(sharded)] = _report_checkpoint(sharded)
+    written = tf.train.Checkpoint(model=net, extra=tf.Variable([1.5, 2.5]))
+    path = written.write(os.path.join(OUT, "written", "weights"))
+    report["written/" + os.path.basename(path)] = _report_checkpoint(path)
+
+
+def keras_checkpoint(report: dict) -> None:
+    import keras
+    keras.utils.set_random_seed(18)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="relu"),
+                              keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    x = np.arange(16, dtype=np.float32).reshape(4, 4) / 10
+    y = np.ones((4, 2), np.float32)
+    model.train_on_batch(x, y)
+    ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    path = ckpt.save(os.path.join(OUT, "keras", "ckpt"))
+    report["keras/" + os.path.basename(path)] = _report_checkpoint(path)
+    report["keras/weights"] = {f"{w.path}": _tensor_json(w.numpy()) for w in model.weights}
+    report["keras/optimizer"] = {f"{v.path}": _tensor_json(v.numpy())
+                                 for v in model.optimizer.variables}
+
+
+def slot_checkpoint(report: dict) -> None:
+    """TF's legacy optimizers keep slot variables (``.OPTIMIZER_SLOT`` in their keys)."""
+    class Model(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = tf.Variable(np.array([1.0, -2.0, 3.0], np.float32))
+    model = Model()
+    optimizer = tf.compat.v1.train.AdamOptimizer(0.1)
+    optimizer.minimize(lambda: tf.reduce_sum(model.w * model.w), var_list=[model.w])
+    path = tf.train.Checkpoint(model=model, optimizer=optimizer).write(
+        os.path.join(OUT, "slots", "ckpt"))
+    report["slots/" + os.path.basename(path)] = _report_checkpoint(path)
+
+
+def _example(i: int) -> tf.train.Example:
+    rng = np.random.default_rng(i)
+    n = i % 4  # 0..3 values in the variable-length features
+    feature = {
+        "x": tf.train.Feature(float_list=tf.train.FloatList(
+            value=rng.standard_normal(3).astype(np.float32))),
+        "label": tf.train.Feature(int64_list=tf.train.Int64List(value=[i * 1000003 - 2 ** 40])),
+        "name": tf.train.Feature(bytes_list=tf.train.BytesList(value=[f"record-{i}".encode()])),
+        "tags": tf.train.Feature(int64_list=tf.train.Int64List(value=list(range(i, i + n)))),
+        "weights": tf.train.Feature(float_list=tf.train.FloatList(value=[i / 8] * n)),
+        "blobs": tf.train.Feature(bytes_list=tf.train.BytesList(
+            value=[bytes([i % 256]) * k for k in range(n)])),
+    }
+    return tf.train.Example(features=tf.train.Features(feature=feature))
+
+
+FEATURES = {
+    "x": tf.io.FixedLenFeature([3], tf.float32),
+    "label": tf.io.FixedLenFeature([], tf.int64),
+    "name": tf.io.FixedLenFeature([], tf.string),
+    "tags": tf.io.VarLenFeature(tf.int64),
+    "weights": tf.io.VarLenFeature(tf.float32),
+    "blobs": tf.io.VarLenFeature(tf.string),
+}
+
+
+def _parsed_json(serialized: bytes) -> dict:
+    parsed = tf.io.parse_single_example(serialized, FEATURES)
+    out = {}
+    for name, value in parsed.items():
+        if isinstance(value, tf.SparseTensor):
+            out[name] = {"values": _tensor_json(value.values.numpy()),
+                         "indices": value.indices.numpy().tolist(),
+                         "dense_shape": value.dense_shape.numpy().tolist()}
+        else:
+            out[name] = _tensor_json(value.numpy())
+    return out
+
+
+def record_files(report: dict) -> None:
+    directory = os.path.join(OUT, "records")
+    os.makedirs(directory)
+    plan = [("plain-%d.tfrecord" % k, None, range(k * 10, k * 10 + 7 - k)) for k in range(4)]
+    plan += [("gzip-%d.tfrecord.gz" % k, "GZIP", range(100 + k * 9, 105 + k * 9)) for k in range(2)]
+    plan += [("zlib-0.tfrecord.z", "ZLIB", range(200, 204))]
+    for name, compression, ids in plan:
+        path = os.path.join(directory, name)
+        options = tf.io.TFRecordOptions(compression_type=compression or "")
+        with tf.io.TFRecordWriter(path, options) as writer:
+            for i in ids:
+                writer.write(_example(i).SerializeToString())
+            if compression is None:
+                writer.write(b"")            # an empty record, framed like any other
+    for name, compression, _ in plan:
+        path = os.path.join(directory, name)
+        records = [r.numpy() for r in tf.data.TFRecordDataset(path, compression or "")]
+        report["records/" + name] = {
+            "compression": compression,
+            "records": [r.hex() for r in records],
+            "parsed": [_parsed_json(r) if r else None for r in records],
+        }
+
+
+def main() -> int:
+    if os.path.exists(OUT):
+        shutil.rmtree(OUT)
+    os.makedirs(OUT)
+    report = {"tensorflow": tf.__version__}
+    module_checkpoints(report)
+    keras_checkpoint(report)
+    slot_checkpoint(report)
+    record_files(report)
+    with open(os.path.join(OUT, "values.json"), "w") as handle:
+        json.dump(report, handle, sort_keys=True, separators=(",", ":"))
+        handle.write("\n")
+    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(OUT) for f in fs)
+    print(f"wrote {OUT}: {total} bytes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""TensorFlow checkpoints restored at 1-4 ranks, as a user moving off TensorFlow would:
+the program rebuilds its objects under the same names and calls Checkpoint.restore on the
+TensorFlow prefix. Every value bit for bit as TensorFlow 2.21 reported it; values matched
+through the object graph (a Keras kernel by either of its paths); each value read by one
+rank; hostile files refused on every rank; convert at every width."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import mpistrat as ms
+from mpistrat.convert import main as convert
+from mpistrat.errors import DataLossError
+from mpistrat.tfformats import bundle
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "tf"
+REPORT = json.loads((DATA / "values.json").read_text())
+VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+@pytest.fixture
+def shared_dir(world, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tf")) if world.rank == 0 else None
+    return world.comm.bcast(path, root=0)
+
+
+def want(name, path):
+    entry = REPORT[name][path + VALUE]
+    if "strings" in entry:
+        return np.array([bytes.fromhex(s) for s in entry["strings"]], dtype=object).reshape(
+            entry["shape"])
+    return entry
+
+
+def same_bits(value, entry) -> bool:
+    value = np.asarray(value)
+    if isinstance(entry, np.ndarray):
+        return value.shape == entry.shape and list(value.reshape(-1)) == list(entry.reshape(-1))
+    return list(value.shape) == entry["shape"] and value.tobytes().hex() == entry["hex"]
+
+
+class Dense:
+    def __init__(self):
+        self.kernel = ms.Variable(np.zeros((3, 4), np.float32))
+        self.bias = ms.Variable(np.zeros(4, np.float32))
+
+
+class Net:
+    """The fixture's tf.Module tree (tests/data/make_tf_fixtures.py), rebuilt in mpistrat."""
+
+    def __init__(self):
+        self.dense = Dense()
+        self.half = np.zeros((2, 3), np.float16)
+        self.brain = np.zeros(5, ml_dtypes.bfloat16)
+        self.flags = np.zeros(3, bool)
+        self.step = ms.Variable(np.int64(0))
+        self.ids = np.zeros((2, 2), np.int32)
+        self.small = np.zeros(3, np.int8)
+        self.pixels = np.zeros(3, np.uint8)
+        self.wide = np.zeros((2, 2))
+        self.phase = np.zeros(2, np.complex64)
+        self.words = np.array([b""] * 3, dtype=object)
+        self.empty = np.zeros((0, 3), np.float32)
+        self.layers = [Dense(), Dense()]
+
+
+def module_paths(net):
+    return {"model/dense/kernel": net.dense.kernel.numpy(), "model/dense/bias": net.dense.bias.numpy(),
+            "model/half": net.half, "model/brain": net.brain, "model/flags": net.flags,
+            "model/step": net.step.numpy(), "model/ids": net.ids, "model/small": net.small,
+            "model/pixels": net.pixels, "model/wide": net.wide, "model/phase": net.phase,
+            "model/words": net.words, "model/empty": net.empty,
+            **{f"model/layers/{i}/{n}": getattr(layer, n).numpy()
+               for i, layer in enumerate(net.layers) for n in ("kernel", "bias")}}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", ["module/ckpt-2", "module_sharded/ckpt", "written/weights"])
+def test_a_tf_module_tree_restores_bit_for_bit(name):
+    net = Net()
+    checkpoint = ms.Checkpoint(model=net)
+    if name == "written/weights":
+        checkpoint.extra = ms.Variable(np.zeros(2, np.float32))
+    status = checkpoint.restore(str(DATA / name))
+    for path, value in module_paths(net).items():
+        if path + VALUE in REPORT[name]:  # TensorFlow's sharded write leaves out the empty one
+            assert same_bits(value, want(name, path)), path
+    if name == "module_sharded/ckpt":
+        assert status.missing_objects == {"model/empty"} and not status.unmatched_values
+        with pytest.raises(AssertionError, match="model/empty"):
+            status.assert_consumed()
+    else:
+        status.assert_consumed()
+    status.assert_nontrivial_match()
+    if name == "module/ckpt-2":
+        assert int(checkpoint.save_counter.numpy()) == 2
+    elif name == "written/weights":
+        assert same_bits(checkpoint.extra.numpy(), want(name, "extra"))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_latest_checkpoint_of_a_tensorflow_directory():
+    latest = ms.train.latest_checkpoint(str(DATA / "module"))
+    assert latest == str(DATA / "module" / "ckpt-2")
+    net = Net()
+    ms.Checkpoint(model=net).restore(latest).assert_consumed()
+    assert int(net.step.numpy()) == -(2 ** 40) - 2
+
+
+@pytest.mark.mpi(min_size=1)
+def test_statuses_of_a_partial_restore():
+    class Part:
+        pass
+    part = Part()
+    part.dense = Dense()
+    part.unknown = ms.Variable(np.zeros(1, np.float32))
+    status = ms.Checkpoint(model=part).restore(str(DATA / "module/ckpt-1"))
+    assert "model/dense/kernel" in status.matched
+    assert "model/unknown" in status.missing_objects
+    assert "model/half" in status.unmatched_values
+    with pytest.raises(AssertionError, match="model/half"):
+        status.assert_consumed()
+    with pytest.raises(AssertionError, match="model/unknown"):
+        status.assert_existing_objects_matched()
+    status.expect_partial().assert_nontrivial_match()
+    assert same_bits(part.dense.kernel.numpy(), want("module/ckpt-1", "model/dense/kernel"))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_objects_attached_later_get_their_values():
+    checkpoint = ms.Checkpoint()
+    status = checkpoint.restore(str(DATA / "module/ckpt-1"))
+    assert status.matched == {"save_counter"}
+    net = Net()
+    checkpoint.model = net        # this rank alone reads what the new objects need
+    for path, value in module_paths(net).items():
+        assert same_bits(value, want("module/ckpt-1", path)), path
+    status.assert_consumed()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_keras_model_and_adam_restore_through_the_graph():
+    name = "keras/ckpt-1"
+
+    def dense(rows, cols):
+        return {"_kernel": np.zeros((rows, cols), np.float32), "bias": np.zeros(cols, np.float32)}
+    model = {"_functional": {"_operations": [None, dense(4, 3), dense(3, 2)]}}  # other paths
+    optimizer = {"_iterations": np.int64(0), "_learning_rate": np.float32(0),
+                 "_variables": [None, None] + [np.zeros(s, np.float32) for s in
+                                                [(4, 3), (4, 3), 3, 3, (3, 2), (3, 2), 2, 2]]}
+    checkpoint = ms.Checkpoint(model=model, optimizer=optimizer)
+    status = checkpoint.restore(str(DATA / name))
+    kernels = [model["_functional"]["_operations"][i]["_kernel"] for i in (1, 2)]
+    assert same_bits(kernels[0], want(name, "optimizer/_trainable_variables/0"))
+    assert same_bits(kernels[1], want(name, "optimizer/_trainable_variables/2"))
+    for index in range(2, 10):
+        assert same_bits(optimizer["_variables"][index], want(name, f"optimizer/_variables/{index}"))
+    assert int(optimizer["_iterations"]) == 1
+    status.assert_consumed()  # the kernels' canonical paths were consumed through the graph
+
+
+@pytest.mark.mpi(min_size=1)
+def test_legacy_slot_variables():
+    checkpoint = ms.Checkpoint(model={"w": np.zeros(3, np.float32)},
+                               slots={"m": np.zeros(3, np.float32)})
+    status = checkpoint.restore(str(DATA / "slots/ckpt"))
+    assert "model/w" in status.matched and "slots/m" in status.missing_objects
+    assert status.unmatched_values == {"model/w/.OPTIMIZER_SLOT/optimizer/m",
+                                       "model/w/.OPTIMIZER_SLOT/optimizer/v",
+                                       "optimizer/beta1_power", "optimizer/beta2_power"}
+    assert same_bits(checkpoint.model["w"], want("slots/ckpt", "model/w"))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_each_value_is_read_by_one_rank(world, shared_dir):
+    prefix = os.path.join(shared_dir, "big", "ckpt-1")
+    values = {f"w{i}": np.full((64, 1024 + 256 * (i % 3)), i, np.float32) for i in range(12)}
+    if world.rank == 0:
+        os.makedirs(os.path.dirname(prefix))
+        items = [(f"{k}{VALUE}", v) for k, v in sorted(values.items())]
+        bundle.write_index(prefix, 1, bundle.write_shard(bundle.data_name(prefix, 0, 1), items))
+    world.comm.Barrier()
+    ours = {k: np.zeros_like(v) for k, v in values.items()}
+    before = _bytes_read()
+    ms.Checkpoint(**ours).restore(prefix)
+    read = _bytes_read() - before
+    for key, value in values.items():
+        assert np.array_equal(ours[key], value), key
+    total = sum(v.nbytes for v in values.values())
+    largest = max(v.nbytes for v in values.values())
+    assert read <= total / world.size + largest + (256 << 10), (read, total)
+    assert world.comm.allreduce(read) >= total
+
+
+def _bytes_read() -> int:
+    with open("/proc/self/io") as handle:
+        return next(int(line.split()[1]) for line in handle if line.startswith("rchar"))
+
+
+def _corrupt(world, shared_dir, how):
+    directory = os.path.join(shared_dir, how)
+    prefix = os.path.join(directory, "ckpt-1")
+    if world.rank == 0:
+        shutil.copytree(DATA / "module", directory)
+        entry = bundle.read_index(prefix).entries["model/dense/kernel" + VALUE]
+        if how == "data_crc":
+            with open(entry.file, "r+b") as handle:
+                handle.seek(entry.offset + 5)
+                byte = handle.read(1)
+                handle.seek(entry.offset + 5)
+                handle.write(bytes([byte[0] ^ 0x40]))
+        elif how == "truncated_index":
+            os.truncate(prefix + ".index", os.path.getsize(prefix + ".index") - 20)
+        elif how == "truncated_shard":
+            os.truncate(entry.file, entry.offset + 4)
+    world.comm.Barrier()
+    return prefix
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("how, text", [("data_crc", "CRC-32C mismatch"),
+                                       ("truncated_index", "ckpt-1.index"),
+                                       ("truncated_shard", "beyond the end")])
+def test_hostile_checkpoints_are_refused_on_every_rank(world, shared_dir, how, text):
+    prefix = _corrupt(world, shared_dir, how)
+    net = Net()
+    with pytest.raises(DataLossError, match=text):
+        ms.Checkpoint(model=net).restore(prefix)
+    flags = world.comm.allgather(True)   # every rank got here: nobody hangs
+    assert all(flags)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_convert_round_trip_at_every_width(world, shared_dir):
+    ours = os.path.join(shared_dir, "ours", "ckpt-1")
+    back = os.path.join(shared_dir, "back", "ckpt-1")
+    for src, dst in [(str(DATA / "keras/ckpt-1"), ours), (ours, back)]:
+        assert convert([src, dst]) == 0
+    assert os.path.exists(ours + ".h5")
+    assert len([n for n in os.listdir(os.path.dirname(back)) if ".data-" in n]) == world.size
+    reader = ms.train.load_checkpoint(back)
+    for key, entry in REPORT["keras/ckpt-1"].items():
+        if key != "_CHECKPOINTABLE_OBJECT_GRAPH":
+            assert same_bits(reader.get_tensor(key), entry), key
+    status = ms.Checkpoint(optimizer={"_iterations": np.int64(0)}).restore(ours)
+    assert "optimizer/_iterations" in status.matched
+    assert convert([ours, back]) == 1  # exists: refused on every rank

@@ -13,6 +13,9 @@ done
 for n in 1 2 4; do
     scripts/mpirun --limit 900 -n "$n" .venv/bin/python benchmarks/input.py --gib 1.0
 done
+for n in 1 2; do   # TFRecord reads; against tf.data where /work/tfvenv (or --tf-python) has TensorFlow
+    scripts/mpirun --limit 900 -n "$n" .venv/bin/python benchmarks/tfrecord.py --mib 64
+done
 for n in 1 2 4; do
     scripts/mpirun --limit 600 -n "$n" .venv/bin/python benchmarks/train_step.py
 done

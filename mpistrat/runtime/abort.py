@@ -9,12 +9,13 @@ with the rank, then call ``MPI_Abort`` so that ``mpirun`` ends every rank::
     >>> install_abort_hook()   # idempotent; mpistrat calls it on import
 """
 
-import os
 import sys
 import threading
 import traceback
 
 from mpi4py import MPI
+
+from mpistrat.runtime import settings
 
 __all__ = ["install_abort_hook", "abort_job", "tag_lines"]
 
@@ -63,7 +64,7 @@ def _thread_excepthook(args):
 def install_abort_hook() -> bool:
     """Install the hooks unless ``MPISTRAT_ABORT_ON_ERROR=0``; return whether they are on."""
     global _installed
-    if os.environ.get(ABORT_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not settings.get(ABORT_ENV, at_import=True):
         return False
     if not _installed:
         sys.excepthook = _excepthook

@@ -15,7 +15,7 @@ import traceback
 
 from mpi4py import MPI
 
-from mpistrat.runtime import settings
+from mpistrat.runtime import health, settings
 
 __all__ = ["install_abort_hook", "abort_job", "tag_lines"]
 
@@ -39,6 +39,7 @@ def abort_job(exc_type, exc, tb, where: str = "") -> None:
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     header = f"uncaught {exc_type.__name__}{where}; aborting all {size} ranks\n"
     try:
+        health.announce_abort(f"uncaught {exc_type.__name__}{where}: {exc}")
         sys.stderr.write(tag_lines(header + text, tag))
         sys.stderr.flush()
         sys.stdout.flush()

@@ -166,6 +166,15 @@ SETTINGS = (
     Setting("MPISTRAT_COLLECTIVE_TIMEOUT", parse_seconds, None, _SECONDS + "; unset means no timeout",
             "default `timeout_seconds` of every collective; past it the waiting ranks raise "
             "`DeadlineExceededError`"),
+    Setting("MPISTRAT_HEALTH_CHECK", parse_bool, True, _BOOL + "; unset means on",
+            "the peer health check: a rank that dies, leaves or becomes unreachable while "
+            "others wait ends the job with a named error (docs/troubleshooting.md)"),
+    Setting("MPISTRAT_HEALTH_TIMEOUT", parse_seconds, 10.0, _SECONDS + "; unset means 10",
+            "a peer whose host has not answered TCP keepalives for this long is unreachable: "
+            "the job ends"),
+    Setting("MPISTRAT_HEALTH_LEAVE_GRACE", parse_seconds, 3.0, _SECONDS + "; unset means 3",
+            "how long a rank may stay inside a collective after a peer left the job normally "
+            "before the job ends"),
     Setting("MPISTRAT_VALIDATE", parse_bool, True, _BOOL + "; unset means on",
             "the cross-rank check of op, dtypes and shapes before each collective"),
     Setting("MPISTRAT_DETERMINISTIC", parse_bool, False, _BOOL + "; unset means off",

@@ -19,7 +19,7 @@ from typing import Optional
 
 from mpi4py import MPI
 
-from mpistrat.runtime import settings
+from mpistrat.runtime import health, settings
 
 __all__ = ["NodeLayout", "node_layout", "World", "get_world"]
 
@@ -89,6 +89,7 @@ class World:
         node_index = self.leader_comm.Get_rank() if is_leader else 0
         self.node_index = self.node_comm.bcast(node_index, root=0)
         self.num_nodes = self.comm.allreduce(1 if is_leader else 0)
+        self.health = health.start(self.comm) if base == MPI.COMM_WORLD else None  # peers' end
 
     def new_comm(self, name: str) -> MPI.Comm:
         """A further duplicate of the private communicator (e.g. for a background thread).

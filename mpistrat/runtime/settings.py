@@ -160,10 +160,12 @@ class Setting:
 _BOOL = "a boolean: 1, true, yes, on or 0, false, no, off (any case)"
 _SECONDS = "a number of seconds above 0 and finite (e.g. 600 or 2.5)"
 _BYTE_COUNT = "a byte count >= 0, optionally with a unit (e.g. 1048576, 64KiB, 1GiB, 100MB)"
-_THRESHOLD = "a byte count >= 0, optionally with a unit (e.g. 1MiB), or off (a negative count also means off)"
+_THRESHOLD = ("a byte count >= 0, optionally with a unit (e.g. 1MiB), or off (a negative count "
+              "also means off)")
 
 SETTINGS = (
-    Setting("MPISTRAT_COLLECTIVE_TIMEOUT", parse_seconds, None, _SECONDS + "; unset means no timeout",
+    Setting("MPISTRAT_COLLECTIVE_TIMEOUT", parse_seconds, None,
+            _SECONDS + "; unset means no timeout",
             "default `timeout_seconds` of every collective; past it the waiting ranks raise "
             "`DeadlineExceededError`"),
     Setting("MPISTRAT_HEALTH_CHECK", parse_bool, True, _BOOL + "; unset means on",
@@ -178,12 +180,15 @@ SETTINGS = (
     Setting("MPISTRAT_VALIDATE", parse_bool, True, _BOOL + "; unset means on",
             "the cross-rank check of op, dtypes and shapes before each collective"),
     Setting("MPISTRAT_DETERMINISTIC", parse_bool, False, _BOOL + "; unset means off",
-            "reproducible SUM and MEAN for every engine (as `CommunicationOptions(deterministic=True)`)"),
+            "reproducible SUM and MEAN for every engine (as "
+            "`CommunicationOptions(deterministic=True)`)"),
     Setting("MPISTRAT_RING_THRESHOLD", parse_threshold, 1 << 20, _THRESHOLD + "; unset means 1MiB",
             "bytes from which the ring all-reduce is used on one node"),
-    Setting("MPISTRAT_HIERARCHICAL_THRESHOLD", parse_bytes, 32 << 20, _BYTE_COUNT + "; unset means 32MiB",
+    Setting("MPISTRAT_HIERARCHICAL_THRESHOLD", parse_bytes, 32 << 20,
+            _BYTE_COUNT + "; unset means 32MiB",
             "bytes from which buffers take the hierarchical all-reduce across nodes"),
-    Setting("MPISTRAT_BUFFER_POOL_BYTES", parse_bytes, 1 << 30, _BYTE_COUNT + "; 0 disables; unset means 1GiB",
+    Setting("MPISTRAT_BUFFER_POOL_BYTES", parse_bytes, 1 << 30,
+            _BYTE_COUNT + "; 0 disables; unset means 1GiB",
             "memory kept for reusing result buffers"),
     Setting("MPISTRAT_TRACE", parse_bool, False, _BOOL + "; unset means off",
             "one line per collective on stderr, tagged with the rank"),
@@ -192,7 +197,8 @@ SETTINGS = (
             "trace there at exit"),
     Setting("MPISTRAT_ABORT_ON_ERROR", parse_bool, True, _BOOL + "; unset means on",
             "an uncaught exception on any rank prints its traceback and ends the whole job"),
-    Setting("MPISTRAT_RANKS_PER_NODE", _positive_int, None, "an integer >= 1; unset means the real nodes",
+    Setting("MPISTRAT_RANKS_PER_NODE", _positive_int, None,
+            "an integer >= 1; unset means the real nodes",
             "group consecutive ranks into simulated nodes of this many ranks"),
     Setting("MPISTRAT_CUDA_AWARE_MPI", parse_bool, None, _BOOL + "; unset means ask Open MPI",
             "override the CUDA-awareness query (`MPIX_Query_cuda_support`)"),
@@ -210,7 +216,8 @@ SETTINGS = (
     Setting("MPISTRAT_COORDINATOR_HOST", _text, None, "a host name or address; unset means "
             "127.0.0.1 on one node, else rank 0's host name",
             "the address other ranks use to reach rank 0 (JAX's coordinator)"),
-    Setting("MPISTRAT_JAX_COORDINATOR", _host_port, None, "host:port; unset means a free port on rank 0",
+    Setting("MPISTRAT_JAX_COORDINATOR", _host_port, None,
+            "host:port; unset means a free port on rank 0",
             "JAX's coordinator address, in full"),
     Setting("MPISTRAT_JAX_INIT_TIMEOUT", parse_seconds, 120.0, _SECONDS + "; unset means 120",
             "seconds JAX's runtime may take to start on every host"),

@@ -15,7 +15,8 @@ from tests.conftest import MPIRUN, PRELUDE, ROOT
 
 GRACE = 1.0   # MPISTRAT_HEALTH_LEAVE_GRACE in these jobs
 # Prints a line with this rank's clock, so the test can time the others' reactions.
-PRELUDE_T = PRELUDE + "import time as _time\ndef stamp(*parts):\n    say(*parts, 'at', repr(_time.time()))\n"
+PRELUDE_T = PRELUDE + ("import time as _time\n"
+                       "def stamp(*parts):\n    say(*parts, 'at', repr(_time.time()))\n")
 
 
 def launch(tmp_path, nprocs, script, *args, env=None, limit=60, mpirun_args=()):

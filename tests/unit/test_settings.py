@@ -48,7 +48,8 @@ def test_a_bad_value_names_the_variable_the_value_and_what_is_accepted(name, tex
     ("MPISTRAT_RING_THRESHOLD", "1048576", 1 << 20), ("MPISTRAT_RING_THRESHOLD", "4MiB", 4 << 20),
     ("MPISTRAT_RING_THRESHOLD", "off", -1), ("MPISTRAT_RING_THRESHOLD", "-1", -1),
     ("MPISTRAT_BUFFER_POOL_BYTES", "0", 0), ("MPISTRAT_BUFFER_POOL_BYTES", "1GiB", 1 << 30),
-    ("MPISTRAT_BUFFER_POOL_BYTES", "100 MB", 10 ** 8), ("MPISTRAT_BUFFER_POOL_BYTES", "64kib", 65536),
+    ("MPISTRAT_BUFFER_POOL_BYTES", "100 MB", 10 ** 8),
+    ("MPISTRAT_BUFFER_POOL_BYTES", "64kib", 65536),
     ("MPISTRAT_HIERARCHICAL_THRESHOLD", "16MiB", 16 << 20),
     ("MPISTRAT_DETERMINISTIC", "1", True), ("MPISTRAT_DETERMINISTIC", "TRUE", True),
     ("MPISTRAT_VALIDATE", "off", False), ("MPISTRAT_VALIDATE", "No", False),
@@ -96,7 +97,8 @@ def _sources():
 def test_every_variable_the_project_names_is_registered_and_documented():
     named = set()
     for path in _sources():
-        named |= set(re.findall(r"\bMPISTRAT_[A-Z][A-Z0-9_]*[A-Z0-9]\b", path.read_text(errors="replace")))
+        text = path.read_text(errors="replace")
+        named |= set(re.findall(r"\bMPISTRAT_[A-Z][A-Z0-9_]*[A-Z0-9]\b", text))
     registered = {s.name for s in settings.SETTINGS}
     named -= {"MPISTRAT_COLECTIVE_TIMEOUT"}   # this file's example of a typo
     assert named - registered == set(), "register these in mpistrat/runtime/settings.py"

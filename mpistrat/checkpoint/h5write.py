@@ -40,6 +40,7 @@ from mpistrat.checkpoint.files import (USERBLOCK, part_name, remove_checkpoint, 
 from mpistrat.checkpoint.layout import partition_owner, write_partitions
 from mpistrat.collectives import CollectiveEngine
 from mpistrat.runtime.faults import fault_point
+from mpistrat.runtime import settings
 
 __all__ = ["FORMAT_VERSION", "write_file", "checkpoint_mode", "checksum", "fsync_dir"]
 
@@ -49,10 +50,7 @@ _META_BYTES = 1 << 20  # room kept for HDF5's own metadata when checking free sp
 
 def checkpoint_mode() -> str:
     """``parallel`` (one shared file, the default) or ``parts`` (``MPISTRAT_CHECKPOINT_MODE``)."""
-    mode = os.environ.get("MPISTRAT_CHECKPOINT_MODE", "parallel").lower() or "parallel"
-    if mode not in ("parallel", "parts"):
-        raise ValueError(f"MPISTRAT_CHECKPOINT_MODE={mode!r}: use 'parallel' or 'parts'")
-    return mode
+    return settings.get("MPISTRAT_CHECKPOINT_MODE")
 
 
 def checksum(block: np.ndarray) -> int:
@@ -148,7 +146,7 @@ def _preflight(directory: str, plan: _Plan, rank: int) -> Optional[Failure]:
             raise OSError(27, f"the file size limit (ulimit -f) is {limit} bytes, the "
                               f"checkpoint needs up to {need}")
         if rank == 0:
-            if os.environ.get("MPISTRAT_CHECKPOINT_PREFLIGHT", "1") == "0":
+            if not settings.get("MPISTRAT_CHECKPOINT_PREFLIGHT"):
                 need = _META_BYTES
             stat = os.statvfs(directory)
             free = stat.f_bavail * stat.f_frsize

@@ -23,7 +23,6 @@ The chunk layout is a pure function, ``ring_chunks``::
     [(0, 4), (4, 7), (7, 10)]
 """
 
-import os
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -33,6 +32,7 @@ from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.partition import even_ranges
+from mpistrat.runtime import settings
 from mpistrat.runtime import timeline
 
 __all__ = ["ring_chunks", "choose_algorithm", "explain_algorithm", "allreduce",
@@ -43,12 +43,11 @@ ALGORITHMS = ("auto", "mpi", "ring", "hierarchical", "reduce_broadcast")
 
 # Messages of at least this many bytes use the ring (override with
 # MPISTRAT_RING_THRESHOLD; a negative value turns the ring off).
-RING_THRESHOLD_BYTES = int(os.environ.get("MPISTRAT_RING_THRESHOLD", str(1 << 20)))
+RING_THRESHOLD_BYTES = settings.get("MPISTRAT_RING_THRESHOLD", at_import=True)
 # Across nodes, buffers of at least this many bytes take the hierarchical algorithm; smaller
 # ones MPI's own: on real namespace hosts (2 x 2) hierarchical ran 0.64-0.77x raw at 64 MiB but
 # 0.95-1.19x at 16 MiB, where both send the minimum bytes (docs/benchmarks.md).
-HIERARCHICAL_THRESHOLD_BYTES = int(os.environ.get("MPISTRAT_HIERARCHICAL_THRESHOLD",
-                                                  str(32 << 20)))
+HIERARCHICAL_THRESHOLD_BYTES = settings.get("MPISTRAT_HIERARCHICAL_THRESHOLD", at_import=True)
 _RING_TAG = 0x7269
 
 _COMBINE = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add,

@@ -18,12 +18,13 @@ whether any result still uses it. Nothing is ever reused while referenced::
     True
 """
 
-import os
 import sys
 import threading
 from typing import Dict, List
 
 import numpy as np
+
+from mpistrat.runtime import settings
 
 __all__ = ["BufferPool", "default_pool"]
 
@@ -63,7 +64,7 @@ class BufferPool:
             self.held_bytes = 0
 
 
-_DEFAULT = BufferPool(int(os.environ.get("MPISTRAT_BUFFER_POOL_BYTES", str(1 << 30))))
+_DEFAULT = BufferPool(settings.get("MPISTRAT_BUFFER_POOL_BYTES", at_import=True))
 
 
 def default_pool() -> BufferPool:

@@ -15,7 +15,6 @@ when ``MPISTRAT_TRACE=1``, runs, and rebuilds the structure::
 
 import logging
 import operator
-import os
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
@@ -32,6 +31,7 @@ from mpistrat.collectives.topology import comm_topology
 from mpistrat.collectives.validation import (PAYLOAD_SLOTS, Probe, agree, start_agree,
                                              validation_enabled)
 from mpistrat.errors import AbortedError, DeadlineExceededError, InvalidArgumentError
+from mpistrat.runtime import settings
 from mpistrat.runtime import timeline
 from mpistrat.runtime.devices import Capabilities, array_kind, capabilities, from_host, to_host
 
@@ -41,7 +41,7 @@ log = logging.getLogger("mpistrat.collectives")
 
 
 def _configure_trace() -> None:
-    if os.environ.get("MPISTRAT_TRACE", "") in ("", "0") or log.handlers:
+    if not settings.get("MPISTRAT_TRACE", at_import=True) or log.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
     rank = MPI.COMM_WORLD.Get_rank()
@@ -55,8 +55,7 @@ _configure_trace()
 
 def default_timeout() -> Optional[float]:
     """The timeout used when options give none (``MPISTRAT_COLLECTIVE_TIMEOUT`` seconds)."""
-    text = os.environ.get("MPISTRAT_COLLECTIVE_TIMEOUT", "").strip()
-    return float(text) if text else None
+    return settings.get("MPISTRAT_COLLECTIVE_TIMEOUT")
 
 
 def _as_array(value: Any):

@@ -46,7 +46,6 @@ float sum (the result is NaN or infinite either way)::
     array([0.3, 3. ], dtype=float32)
 """
 
-import os
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -54,6 +53,7 @@ from mpi4py import MPI
 
 from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import Deadline, wait_all
+from mpistrat.runtime import settings
 
 __all__ = ["DETERMINISTIC_ENV", "deterministic_default", "ZERO", "NONFINITE", "max_exponent", "grid_for", "to_fixed", "from_fixed",
            "exact_sum", "is_exact_kind"]
@@ -66,7 +66,7 @@ _SIGNIFICAND = {2: 11, 4: 24, 8: 53}   # bits, by float itemsize
 
 def deterministic_default() -> bool:
     """Whether ``MPISTRAT_DETERMINISTIC`` turns reproducible sums on for every engine."""
-    return os.environ.get(DETERMINISTIC_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return settings.get(DETERMINISTIC_ENV)
 
 
 def is_exact_kind(dtype) -> bool:

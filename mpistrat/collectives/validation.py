@@ -19,7 +19,6 @@ skip the probe for larger collectives.
 
 import hashlib
 from array import array
-import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -27,6 +26,7 @@ from mpi4py import MPI
 
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.errors import InvalidArgumentError
+from mpistrat.runtime import settings
 
 __all__ = ["Signature", "validation_enabled", "agree", "start_agree", "Probe", "PAYLOAD_SLOTS",
            "describe_mismatch", "format_ranks"]
@@ -37,7 +37,7 @@ _HASHES: Dict[tuple, int] = {}
 
 def validation_enabled() -> bool:
     """Whether cross-rank validation is on (``MPISTRAT_VALIDATE``, default on)."""
-    return os.environ.get("MPISTRAT_VALIDATE", "1").strip().lower() not in ("0", "false", "no", "off")
+    return settings.get("MPISTRAT_VALIDATE")
 
 
 _MAX_CACHED = 4096  # signatures remembered; a program with ever-new shapes cannot grow it

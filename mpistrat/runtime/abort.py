@@ -9,12 +9,13 @@ with the rank, then call ``MPI_Abort`` so that ``mpirun`` ends every rank::
     >>> install_abort_hook()   # idempotent; mpistrat calls it on import
 """
 
-import os
 import sys
 import threading
 import traceback
 
 from mpi4py import MPI
+
+from mpistrat.runtime import health, settings
 
 __all__ = ["install_abort_hook", "abort_job", "tag_lines"]
 
@@ -38,6 +39,7 @@ def abort_job(exc_type, exc, tb, where: str = "") -> None:
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     header = f"uncaught {exc_type.__name__}{where}; aborting all {size} ranks\n"
     try:
+        health.announce_abort(f"uncaught {exc_type.__name__}{where}: {exc}")
         sys.stderr.write(tag_lines(header + text, tag))
         sys.stderr.flush()
         sys.stdout.flush()
@@ -63,7 +65,7 @@ def _thread_excepthook(args):
 def install_abort_hook() -> bool:
     """Install the hooks unless ``MPISTRAT_ABORT_ON_ERROR=0``; return whether they are on."""
     global _installed
-    if os.environ.get(ABORT_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not settings.get(ABORT_ENV, at_import=True):
         return False
     if not _installed:
         sys.excepthook = _excepthook

@@ -14,12 +14,13 @@ The kind of an array is read from its type's module, never by importing::
 import ctypes
 import ctypes.util
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any, Tuple
 
 import numpy as np
 from mpi4py import MPI
+
+from mpistrat.runtime import settings
 
 __all__ = ["array_kind", "gpu_for_local_rank", "Capabilities", "capabilities",
            "cuda_aware_mpi", "nccl_available", "cupy_available", "jax_on_gpu", "array_module",
@@ -105,9 +106,9 @@ def cuda_aware_mpi() -> Tuple[bool, str]:
     or an Open MPI without the extension, counts as not CUDA-aware: device
     buffers are then staged through host memory.
     """
-    forced = os.environ.get("MPISTRAT_CUDA_AWARE_MPI", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1", f"MPISTRAT_CUDA_AWARE_MPI={forced}"
+    forced = settings.get("MPISTRAT_CUDA_AWARE_MPI")
+    if forced is not None:
+        return forced, f"MPISTRAT_CUDA_AWARE_MPI={int(forced)}"
     version = MPI.Get_library_version()
     if "Open MPI" not in version:
         return False, f"not Open MPI ({version.splitlines()[0][:60]}); no query available"
@@ -130,8 +131,7 @@ def nccl_available() -> Tuple[bool, str]:
 
     ``MPISTRAT_NCCL=0`` turns NCCL off outright (``1`` requires it to import).
     """
-    forced = os.environ.get("MPISTRAT_NCCL", "").strip()
-    if forced == "0":
+    if settings.get("MPISTRAT_NCCL") is False:
         return False, "MPISTRAT_NCCL=0"
     try:
         from cupy.cuda import nccl

@@ -12,21 +12,23 @@ saves). Otherwise ``fault_point`` is a function that returns at once.
 import os
 import signal
 
+from mpistrat.runtime import settings
+
 __all__ = ["fault_point"]
 
-_SPEC = os.environ.get("MPISTRAT_TEST_FAULT", "")
+_SPEC = settings.get("MPISTRAT_TEST_FAULT", at_import=True)  # (point, rank, count) or None
 _HITS: dict = {}
 
 
 def _armed(name: str) -> None:
-    point, rank, count = _SPEC.rsplit(":", 2)
+    point, rank, count = _SPEC
     if name != point:
         return
     from mpi4py import MPI
-    if MPI.COMM_WORLD.Get_rank() != int(rank):
+    if MPI.COMM_WORLD.Get_rank() != rank:
         return
     _HITS[name] = _HITS.get(name, 0) + 1
-    if _HITS[name] == int(count):
+    if _HITS[name] == count:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -34,4 +36,4 @@ def _disarmed(name: str) -> None:
     return None
 
 
-fault_point = _armed if _SPEC.count(":") >= 2 else _disarmed
+fault_point = _armed if _SPEC else _disarmed

@@ -24,6 +24,8 @@ import threading
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Tuple
 
+from mpistrat.runtime import settings
+
 __all__ = ["GpuChoice", "BoundDevice", "PhysicalDevice", "visible_gpu_ids", "choose_gpu",
            "parse_device", "device_for_rank", "count_gpus", "bind_device", "bound_device",
            "list_physical_devices", "shared_gpu_ranks"]
@@ -139,7 +141,7 @@ def count_gpus() -> int:
 
     ``MPISTRAT_DISABLE_GPU=1`` counts none (host replicas even on a GPU machine).
     """
-    if os.environ.get("MPISTRAT_DISABLE_GPU", "") not in ("", "0"):
+    if settings.get("MPISTRAT_DISABLE_GPU"):
         return 0
     if visible_gpu_ids(os.environ) == ():
         return 0

@@ -18,13 +18,14 @@ backend starts. Errors that one rank meets before JAX starts are agreed over
 MPI, so every rank raises them together.
 """
 
-import os
+import math
 import socket
 import threading
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 from mpistrat.errors import InvalidArgumentError, UnavailableError
+from mpistrat.runtime import settings
 from mpistrat.runtime.devices import array_kind
 from mpistrat.runtime.world import get_world
 
@@ -58,10 +59,10 @@ def coordinator_address(host: Optional[str] = None) -> str:
     host is ``MPISTRAT_COORDINATOR_HOST``, else ``host`` (the bridge passes the
     loopback address when every rank runs on one node), else this machine's name.
     """
-    forced = os.environ.get("MPISTRAT_JAX_COORDINATOR", "").strip()
+    forced = settings.get("MPISTRAT_JAX_COORDINATOR")
     if forced:
         return forced
-    host = os.environ.get("MPISTRAT_COORDINATOR_HOST", "").strip() or host or socket.gethostname()
+    host = settings.get("MPISTRAT_COORDINATOR_HOST") or host or socket.gethostname()
     with socket.socket() as probe:
         probe.bind(("", 0))
         port = probe.getsockname()[1]
@@ -103,7 +104,7 @@ def initialize(timeout_seconds: Optional[int] = None) -> Topology:
         if world.size > 1:
             local = "127.0.0.1" if world.num_nodes == 1 else None  # one node: no name lookup
             address = world.comm.bcast(coordinator_address(local) if world.rank == 0 else None)
-            timeout = int(timeout_seconds or os.environ.get("MPISTRAT_JAX_INIT_TIMEOUT", "120"))
+            timeout = int(timeout_seconds or math.ceil(settings.get("MPISTRAT_JAX_INIT_TIMEOUT")))
             try:
                 jax.distributed.initialize(coordinator_address=address,
                                            num_processes=world.size, process_id=world.rank,

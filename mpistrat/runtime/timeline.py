@@ -34,6 +34,8 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional
 
 from mpi4py import MPI
 
+from mpistrat.runtime import settings
+
 __all__ = ["Event", "ON", "PATH_ENV", "span", "record", "begin", "end", "note_algorithm",
            "recording", "flush", "chrome_trace", "enable", "disable", "now"]
 
@@ -235,6 +237,6 @@ def _flush_at_exit() -> None:
             print(f"[mpistrat] timeline: could not write {_path}: {err}")
 
 
-if os.environ.get(PATH_ENV, "").strip():
-    enable(os.environ[PATH_ENV].strip())
+if settings.get(PATH_ENV, at_import=True):
+    enable(settings.get(PATH_ENV, at_import=True))
     atexit.register(_flush_at_exit)

@@ -12,13 +12,14 @@ simulates a multi-node job on one machine::
     (0, 1, 0, 1)
 """
 
-import os
 import socket
 import threading
 from dataclasses import dataclass
 from typing import Optional
 
 from mpi4py import MPI
+
+from mpistrat.runtime import health, settings
 
 __all__ = ["NodeLayout", "node_layout", "World", "get_world"]
 
@@ -54,16 +55,7 @@ def node_layout(rank: int, size: int, ranks_per_node: int) -> NodeLayout:
 
 
 def _ranks_per_node_from_env() -> Optional[int]:
-    text = os.environ.get(RANKS_PER_NODE_ENV, "").strip()
-    if not text:
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{RANKS_PER_NODE_ENV}={text!r} is not an integer") from None
-    if value < 1:
-        raise ValueError(f"{RANKS_PER_NODE_ENV}={value} must be at least 1")
-    return value
+    return settings.get(RANKS_PER_NODE_ENV)
 
 
 class World:
@@ -81,6 +73,7 @@ class World:
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.hostname = socket.gethostname()
+        settings.agree(self.comm)   # every MPISTRAT_* variable of every rank: refused together
         per_node = _ranks_per_node_from_env()
         if per_node is None:
             self.node_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
@@ -96,6 +89,7 @@ class World:
         node_index = self.leader_comm.Get_rank() if is_leader else 0
         self.node_index = self.node_comm.bcast(node_index, root=0)
         self.num_nodes = self.comm.allreduce(1 if is_leader else 0)
+        self.health = health.start(self.comm) if base == MPI.COMM_WORLD else None  # peers' end
 
     def new_comm(self, name: str) -> MPI.Comm:
         """A further duplicate of the private communicator (e.g. for a background thread).

@@ -9,6 +9,10 @@ import pytest
 import mpistrat as ms
 from mpistrat.checkpoint.state_file import read_state
 
+pytestmark = pytest.mark.numpy_only(
+    "HDF5 layout and in-place restores of NumPy containers (other kinds: "
+    "test_checkpoint_kinds.py, tests/gpu)")
+
 
 @pytest.fixture
 def shared_dir(world, tmp_path_factory):

@@ -6,6 +6,10 @@ import pytest
 import mpistrat as ms
 from mpistrat.data import AutoShardPolicy, Dataset, Options
 
+pytestmark = pytest.mark.numpy_only(
+    "datasets yield NumPy batches from the host input pipeline (CuPy batches: "
+    "tests/gpu)")
+
 # Measured with TensorFlow 2.21 (DESIGN.md section 2): per step, the batch of each replica.
 MEASURED = {
     (10, 5, 2): [[[0, 1, 2], [3, 4]], [[5, 6, 7], [8, 9]]],

@@ -6,6 +6,8 @@ import pytest
 import mpistrat as ms
 from mpistrat.runtime import get_world
 
+pytestmark = pytest.mark.numpy_only("mixes array kinds on purpose")
+
 
 def test_naming_a_gpu_this_rank_cannot_see_fails_on_every_rank():
     world = get_world()

@@ -17,6 +17,8 @@ from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.collectives.topology import comm_topology, make_topology
 from mpistrat.runtime import get_world
 
+pytestmark = pytest.mark.numpy_only("the host-buffer algorithm against MPI's own Allreduce")
+
 
 def _layouts(size):
     """Node labels per rank: one node, one rank per node, pairs, uneven and interleaved."""

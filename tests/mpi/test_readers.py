@@ -9,6 +9,8 @@ import pytest
 import mpistrat as ms
 from mpistrat.data import AutoShardPolicy, FixedLengthRecordDataset, NpyDataset, Options
 
+pytestmark = pytest.mark.numpy_only("file readers over MPI-IO yield NumPy")
+
 
 @pytest.fixture
 def shared_dir(world, tmp_path_factory):

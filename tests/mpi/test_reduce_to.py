@@ -1,4 +1,5 @@
-"""StrategyExtended.reduce_to and batch_reduce_to at 1-4 ranks, as in TensorFlow."""
+"""StrategyExtended.reduce_to and batch_reduce_to at 1-4 ranks, as in TensorFlow, with values
+of the run's array kind (``arrays``, MPISTRAT_TEST_ARRAYS)."""
 
 import numpy as np
 import pytest
@@ -8,15 +9,14 @@ import mpistrat as ms
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("op", ["SUM", "MEAN", "MIN", "MAX"])
-def test_reduce_to_combines_per_replica_values(strategy, world, op):
-    r, n = world.rank, world.size
-    value = ms.PerReplica((np.arange(4, dtype=np.float32) * (r + 1),), replica_ids=(r,))
+def test_reduce_to_combines_per_replica_values(strategy, world, op, arrays):
+    r, n, xp = world.rank, world.size, arrays.xp
+    value = ms.PerReplica((xp.arange(4, dtype=xp.float32) * (r + 1),), replica_ids=(r,))
     out = strategy.extended.reduce_to(op, value, destinations="/job:worker/cpu:0")
-    every = np.stack([np.arange(4, dtype=np.float32) * (k + 1) for k in range(n)])
+    every = xp.stack([xp.arange(4, dtype=xp.float32) * (k + 1) for k in range(n)])
     want = {"SUM": every.sum(0), "MEAN": every.sum(0) / n, "MIN": every.min(0),
             "MAX": every.max(0)}[op]
-    np.testing.assert_allclose(out, want, rtol=1e-6)
-    assert out.dtype == np.float32
+    arrays.assert_close(out, want, rtol=1e-6, dtype=np.float32)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -26,18 +26,19 @@ def test_reduce_to_plain_value_is_this_ranks_replica_and_scalar_stays_scalar(str
 
 
 @pytest.mark.mpi(min_size=1)
-def test_reduce_to_with_the_value_as_destinations_is_an_all_reduce(strategy, world):
-    value = ms.PerReplica((np.full((2, 3), world.rank, dtype=np.int64),), replica_ids=(world.rank,))
+def test_reduce_to_with_the_value_as_destinations_is_an_all_reduce(strategy, world, arrays):
+    xp = arrays.xp
+    value = ms.PerReplica((xp.full((2, 3), world.rank, dtype=xp.int64),), replica_ids=(world.rank,))
     out = strategy.extended.reduce_to("sum", value, destinations=value)
-    np.testing.assert_array_equal(out, np.full((2, 3), sum(range(world.size))))
+    arrays.assert_equal(out, xp.full((2, 3), sum(range(world.size))), np.int64)
 
 
 @pytest.mark.mpi(min_size=1)
-def test_batch_reduce_to_gives_one_result_per_pair_in_one_engine_call(strategy, world):
-    r, n = world.rank, world.size
-    values = [np.full(3 + i, float(r + i), dtype=np.float32) for i in range(20)]
-    values.append(np.full(5, r, dtype=np.int32))
-    values.append(ms.PerReplica((np.float64(r),), replica_ids=(r,)))
+def test_batch_reduce_to_gives_one_result_per_pair_in_one_engine_call(strategy, world, arrays):
+    r, n, xp = world.rank, world.size, arrays.xp
+    values = [xp.full(3 + i, float(r + i), dtype=xp.float32) for i in range(20)]
+    values.append(xp.full(5, r, dtype=xp.int32))
+    values.append(ms.PerReplica((arrays.asarray(r, np.float64),), replica_ids=(r,)))
     pairs = [(v, "/cpu:0") for v in values]
     engine = strategy.extended.engine
     before = engine._calls
@@ -46,10 +47,10 @@ def test_batch_reduce_to_gives_one_result_per_pair_in_one_engine_call(strategy, 
     assert isinstance(out, list) and len(out) == len(pairs)
     ranks = sum(range(n))
     for i in range(20):
-        np.testing.assert_allclose(out[i], np.full(3 + i, (ranks + n * i) / n), rtol=1e-6)
-        assert out[i].dtype == np.float32
-    np.testing.assert_array_equal(out[20], np.full(5, ranks // n))  # integers truncate
-    assert np.ndim(out[21]) == 0 and out[21] == pytest.approx(ranks / n)
+        arrays.assert_close(out[i], np.full(3 + i, (ranks + n * i) / n), 1e-6, np.float32)
+    arrays.assert_equal(out[20], np.full(5, ranks // n), np.int32)  # integers truncate
+    assert np.ndim(out[21]) == 0
+    arrays.assert_close(out[21], ranks / n)
 
 
 @pytest.mark.mpi(min_size=1)

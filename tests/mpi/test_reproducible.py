@@ -1,4 +1,6 @@
-"""Reproducible sums at 1-4 ranks: the same bits whatever the rank count, split or algorithm."""
+"""Reproducible sums at 1-4 ranks: the same bits whatever the rank count, split, algorithm or
+array kind (``arrays``, MPISTRAT_TEST_ARRAYS: the digest written for scripts/test.sh must be
+the same for every kind)."""
 
 import hashlib
 import os
@@ -13,6 +15,7 @@ from mpistrat.errors import InvalidArgumentError
 
 SEED = 20261201
 GLOBAL_ROWS = 29  # splits unevenly over 2, 3 and 4 ranks
+ROUND_TRIP = "reduce with an axis returns NumPy for other kinds (type round-trips: coll stream)"
 
 
 def global_batch():
@@ -43,11 +46,12 @@ def deterministic_strategy():
 
 
 @pytest.mark.mpi(min_size=1)
-def test_reduce_sum_along_batch_has_the_same_bits_at_any_rank_count(world):
+def test_reduce_sum_along_batch_has_the_same_bits_at_any_rank_count(world, arrays):
     strategy = deterministic_strategy()
     batch = global_batch()
     mine = my_rows(batch, world.rank, world.size)
-    out = strategy.reduce("SUM", mine, axis=0)
+    kept = strategy.reduce("SUM", arrays.tree(mine), axis=0)
+    out = {k: arrays.numpy(v) for k, v in kept.items()}
     for key in ("w", "b"):
         want = reference_sum(batch[key])
         assert out[key].dtype == batch[key].dtype
@@ -64,14 +68,19 @@ def test_reduce_sum_along_batch_has_the_same_bits_at_any_rank_count(world):
         plain = ms.MultiWorkerMirroredStrategy().reduce("SUM", {"w": mine["w"]}, axis=0)["w"]
         ordered = np.sum(batch["w"], axis=0)
         assert plain.tobytes() != out["w"].tobytes() or ordered.tobytes() != out["w"].tobytes()
+    with arrays.gap(ROUND_TRIP):
+        arrays.assert_kind(kept)
 
 
 @pytest.mark.mpi(min_size=1)
-def test_mean_along_batch_divides_the_exact_sum_by_all_rows(world):
+def test_mean_along_batch_divides_the_exact_sum_by_all_rows(world, arrays):
     strategy = deterministic_strategy()
     batch = global_batch()
-    out = strategy.reduce("MEAN", my_rows(batch, world.rank, world.size), axis=0)
-    assert out["w"].tobytes() == (reference_sum(batch["w"]) / GLOBAL_ROWS).tobytes()
+    out = strategy.reduce("MEAN", arrays.tree(my_rows(batch, world.rank, world.size)), axis=0)
+    assert arrays.numpy(out["w"]).tobytes() == \
+        (reference_sum(batch["w"]) / GLOBAL_ROWS).tobytes()
+    with arrays.gap(ROUND_TRIP):
+        arrays.assert_kind(out)
 
 
 def rank_values(rank):
@@ -80,14 +89,15 @@ def rank_values(rank):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_element_wise_sum_is_the_same_whatever_the_algorithm_and_fusion(world):
+def test_element_wise_sum_is_the_same_whatever_the_algorithm_and_fusion(world, arrays):
     mine = rank_values(world.rank)                              # 1.2 MB: the ring algorithm
     every = np.stack([rank_values(r) for r in range(world.size)])
     want = reference_sum(every)
     engine = CollectiveEngine(world.comm, ms.CommunicationOptions(deterministic=True))
-    whole = engine.all_reduce(mine, "SUM")
-    assert whole.tobytes() == want.tobytes()
-    pieces = np.array_split(mine, 300)                         # 4 KB pieces: fused, MPI's own
+    whole = engine.all_reduce(arrays.asarray(mine), "SUM")
+    arrays.assert_kind(whole)
+    assert arrays.numpy(whole).tobytes() == want.tobytes()
+    pieces = [arrays.asarray(p) for p in np.array_split(mine, 300)]  # 4 KB: fused, MPI's own
     fused = CollectiveEngine(world.comm, ms.CommunicationOptions(deterministic=True,
                                                                  bytes_per_pack=64 << 10))
     out = fused.all_reduce(pieces, "SUM")
@@ -95,10 +105,13 @@ def test_element_wise_sum_is_the_same_whatever_the_algorithm_and_fusion(world):
     every_pieces = [np.array_split(row, 300) for row in every]
     for k, piece in enumerate(out):
         ref = reference_sum(np.stack([p[k] for p in every_pieces]))
-        assert piece.tobytes() == ref.tobytes()
-    mean = engine.all_reduce([mine, np.float64(world.rank)], "MEAN")
-    assert mean[0].tobytes() == (want / np.float32(world.size)).tobytes()
-    assert mean[1] == sum(range(world.size)) / world.size
+        arrays.assert_kind(piece)
+        assert arrays.numpy(piece).tobytes() == ref.tobytes()
+    mean = engine.all_reduce([arrays.asarray(mine), arrays.asarray(world.rank, np.float64)],
+                             "MEAN")
+    arrays.assert_kind(mean)
+    assert arrays.numpy(mean[0]).tobytes() == (want / np.float32(world.size)).tobytes()
+    assert arrays.numpy(mean[1]) == sum(range(world.size)) / world.size
 
 
 @pytest.mark.mpi(min_size=1)
@@ -119,15 +132,17 @@ def test_per_call_option_and_environment_switch_it_on(world, monkeypatch):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_nan_and_zero_tensors(world):
+def test_nan_and_zero_tensors(world, arrays):
     engine = CollectiveEngine(world.comm, ms.CommunicationOptions(deterministic=True))
     poisoned = np.ones(4, np.float32)
     if world.rank == world.size - 1:
         poisoned[2] = np.nan
-    out = engine.all_reduce([poisoned, np.zeros(3), np.ones(2, np.int32)], "SUM")
-    assert np.isnan(out[0][2]) and out[0][0] == world.size
-    assert out[1].dtype == np.float64 and not out[1].any()
-    np.testing.assert_array_equal(out[2], [world.size] * 2)
+    out = engine.all_reduce(arrays.tree([poisoned, np.zeros(3), np.ones(2, np.int32)]), "SUM")
+    arrays.assert_kind(out)
+    host = [arrays.numpy(o) for o in out]
+    assert np.isnan(host[0][2]) and host[0][0] == world.size
+    assert host[1].dtype == np.float64 and not host[1].any()
+    np.testing.assert_array_equal(host[2], [world.size] * 2)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -139,9 +154,10 @@ def test_ranks_that_disagree_on_determinism_raise_together(world):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_timed_deterministic_sum(world):
+def test_timed_deterministic_sum(world, arrays):
     engine = CollectiveEngine(world.comm, ms.CommunicationOptions(deterministic=True,
                                                                   timeout_seconds=30.0))
     every = np.stack([rank_values(r)[:500] for r in range(world.size)])
-    out = engine.all_reduce(rank_values(world.rank)[:500], "SUM")
-    assert out.tobytes() == reference_sum(every).tobytes()
+    out = engine.all_reduce(arrays.asarray(rank_values(world.rank)[:500]), "SUM")
+    arrays.assert_kind(out)
+    assert arrays.numpy(out).tobytes() == reference_sum(every).tobytes()

@@ -11,6 +11,8 @@ from mpistrat.collectives.options import CommunicationOptions
 from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.runtime import get_world
 
+pytestmark = pytest.mark.numpy_only("NumPy stands for device memory here by design")
+
 
 @pytest.fixture(scope="module")
 def comm():

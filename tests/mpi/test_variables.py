@@ -1,4 +1,6 @@
-"""Variables under a strategy: initial values, aggregations, synchronizations."""
+"""Variables under a strategy: initial values, aggregations, synchronizations. Initial values
+and updates are of the run's array kind (``arrays``, MPISTRAT_TEST_ARRAYS); ``numpy()`` reads
+back NumPy, as in TensorFlow."""
 
 import numpy as np
 import pytest
@@ -7,13 +9,15 @@ import mpistrat as ms
 
 A = ms.VariableAggregation
 S = ms.VariableSynchronization
+KIND_KEPT = ("a variable holds NumPy whatever its initial value's kind "
+             "(distribute/variables.py: frameworks stream; not a collective round-trip)")
 
 
 @pytest.mark.mpi(min_size=1)
-def test_doc_scope_mirrored_variable_starts_from_rank_zero(strategy, world):
+def test_doc_scope_mirrored_variable_starts_from_rank_zero(strategy, world, arrays):
     with strategy.scope():
         mirrored_variable = ms.Variable(1.0)
-        from_rank = ms.Variable(lambda: np.full(2, float(world.rank)))
+        from_rank = ms.Variable(lambda: arrays.xp.full(2, float(world.rank)))
     assert mirrored_variable.distributed
     assert repr(mirrored_variable) == (
         f"MirroredVariable:{{\n  {world.rank}: <ms.Variable 'Variable:0' shape=() "
@@ -21,6 +25,8 @@ def test_doc_scope_mirrored_variable_starts_from_rank_zero(strategy, world):
     assert from_rank.numpy().tolist() == [0.0, 0.0]  # rank 0's value everywhere
     regular_variable = ms.Variable(1.0)
     assert repr(regular_variable) == "<ms.Variable 'Variable:0' shape=() dtype=float64, numpy=1.0>"
+    with arrays.gap(KIND_KEPT):
+        arrays.assert_kind(from_rank.read_value())
 
 
 @pytest.mark.mpi(min_size=1)
@@ -28,22 +34,25 @@ def test_doc_scope_mirrored_variable_starts_from_rank_zero(strategy, world):
     (A.SUM, lambda n, s: 10 + s), (A.MEAN, lambda n, s: 10 + s / n),
     (A.ONLY_FIRST_REPLICA, lambda n, s: 10.0), (A.NONE, None)])
 def test_assign_add_in_replica_context_follows_the_aggregation(strategy, world, aggregation,
-                                                               expected):
+                                                               expected, arrays):
     with strategy.scope():
-        v = ms.Variable(10.0, aggregation=aggregation)
-    strategy.run(lambda: v.assign_add(float(world.rank)))
+        v = ms.Variable(arrays.asarray([10.0]), aggregation=aggregation)
+    strategy.run(lambda: v.assign_add(arrays.asarray([float(world.rank)])))
     n, s = world.size, sum(range(world.size))
     want = 10.0 + world.rank if expected is None else expected(n, s)
-    assert float(v) == pytest.approx(want)
+    assert float(v.numpy()[0]) == pytest.approx(want)
+    with arrays.gap(KIND_KEPT):
+        arrays.assert_kind(v.read_value())
 
 
 @pytest.mark.mpi(min_size=1)
-def test_assign_in_replica_context_sum_and_first_replica(strategy, world):
+def test_assign_in_replica_context_sum_and_first_replica(strategy, world, arrays):
+    xp = arrays.xp
     with strategy.scope():
-        total = ms.Variable(np.zeros(2), aggregation=A.SUM)
-        first = ms.Variable(np.zeros(2), aggregation=A.ONLY_FIRST_REPLICA)
-    strategy.run(lambda: (total.assign(np.full(2, 1.0 + world.rank)),
-                          first.assign(np.full(2, 5.0 + world.rank))))
+        total = ms.Variable(xp.zeros(2), aggregation=A.SUM)
+        first = ms.Variable(xp.zeros(2), aggregation=A.ONLY_FIRST_REPLICA)
+    strategy.run(lambda: (total.assign(xp.full(2, 1.0 + world.rank)),
+                          first.assign(xp.full(2, 5.0 + world.rank))))
     assert total.numpy().tolist() == [world.size + sum(range(world.size))] * 2
     assert first.numpy().tolist() == [5.0, 5.0]
 
@@ -57,11 +66,11 @@ def test_cross_replica_assign_applies_everywhere(strategy, world):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_mean_on_integer_variable_raises(strategy):
+def test_mean_on_integer_variable_raises(strategy, arrays):
     with strategy.scope():
-        v = ms.Variable(np.int32(1), aggregation=A.MEAN)
+        v = ms.Variable(arrays.asarray(1, np.int32), aggregation=A.MEAN)
     with pytest.raises(ValueError, match="MEAN cannot apply to an integer"):
-        strategy.run(lambda: v.assign_add(1))
+        strategy.run(lambda: v.assign_add(arrays.asarray(1, np.int32)))
 
 
 @pytest.mark.mpi(min_size=1)

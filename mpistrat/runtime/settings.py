@@ -1,0 +1,336 @@
+"""Every ``MPISTRAT_*`` environment variable, parsed in one place.
+
+Each variable is registered here once: its type (seconds, a byte count, a
+boolean from an explicit set of spellings, a choice, ...), its default and
+what it does. ``get(name)`` returns the parsed value; a value that does not
+parse raises ``SettingError`` (a ``ValueError``) naming the variable, the
+value and what is accepted. ``docs/settings.md`` lists them all::
+
+    >>> from mpistrat.runtime import settings
+    >>> settings.get("MPISTRAT_BUFFER_POOL_BYTES", {"MPISTRAT_BUFFER_POOL_BYTES": "64MiB"})
+    67108864
+    >>> settings.get("MPISTRAT_VALIDATE", {"MPISTRAT_VALIDATE": "maybe"})
+    Traceback (most recent call last):
+    ...
+    mpistrat.runtime.settings.SettingError: MPISTRAT_VALIDATE='maybe': expected a boolean: 1, true, yes, on or 0, false, no, off (any case); unset means on (docs/settings.md lists every variable)
+
+A bad value on one rank only must not leave the other ranks waiting: in a
+job of several ranks, values read while ``mpistrat`` is imported
+(``get(name, at_import=True)``) do not raise there; every variable of every
+rank is checked when the library's world is made (its first collective,
+``agree``), and then every rank raises the same error, naming the ranks.
+"""
+
+import difflib
+import math
+import os
+import re
+import socket
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+from mpistrat.errors import InvalidArgumentError
+
+__all__ = ["Setting", "SettingError", "SETTINGS", "get", "problems", "unknown_names",
+           "agree", "parse_seconds", "parse_bytes", "parse_threshold", "parse_bool"]
+
+
+class SettingError(InvalidArgumentError):
+    """An ``MPISTRAT_*`` variable holds a value that is not accepted (a ``ValueError``)."""
+
+
+# -- parsers: pure functions of the text; each raises ValueError when it refuses -------------
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_BYTES = re.compile(r"(-?\d+)\s*([a-z]*)")
+
+
+def parse_seconds(text: str) -> float:
+    """A finite number of seconds above 0.
+
+    >>> parse_seconds("2.5")
+    2.5
+    """
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(text)
+    return value
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count of at least 0, with an optional unit (KiB, MiB, GiB, TiB; KB, MB, GB, TB).
+
+    >>> parse_bytes("64KiB"), parse_bytes("1MB"), parse_bytes("0")
+    (65536, 1000000, 0)
+    """
+    value = parse_threshold(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def parse_threshold(text: str) -> int:
+    """A byte count (units as ``parse_bytes``), ``off``/``never``, or a negative count: -1 off.
+
+    >>> parse_threshold("1MiB"), parse_threshold("off"), parse_threshold("-5")
+    (1048576, -1, -1)
+    """
+    lowered = text.strip().lower()
+    if lowered in ("off", "never"):
+        return -1
+    match = _BYTES.fullmatch(lowered)
+    if not match or match.group(2) not in _UNITS:
+        raise ValueError(text)
+    count = int(match.group(1))
+    return -1 if count < 0 else count * _UNITS[match.group(2)]
+
+
+def parse_bool(text: str) -> bool:
+    """``1, true, yes, on`` or ``0, false, no, off``, in any case.
+
+    >>> parse_bool("Yes"), parse_bool("off")
+    (True, False)
+    """
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(text)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        lowered = text.strip().lower()
+        if lowered not in options:
+            raise ValueError(text)
+        return lowered
+    return parse
+
+
+def _text(text: str) -> str:
+    if any(c.isspace() for c in text.strip()) or not text.strip():
+        raise ValueError(text)
+    return text.strip()
+
+
+def _path(text: str) -> str:
+    if "\0" in text or not text.strip():
+        raise ValueError(text)
+    return text.strip()
+
+
+def _host_port(text: str) -> str:
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or any(c.isspace() for c in host) or not 0 < int(port) < 65536:
+        raise ValueError(text)
+    return text.strip()
+
+
+def _fault(text: str) -> tuple:
+    point, rank, count = text.strip().rsplit(":", 2)
+    if not point or int(rank) < 0 or int(count) < 1:
+        raise ValueError(text)
+    return point, int(rank), int(count)
+
+
+# -- the registry ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Setting:
+    """One variable: how to parse it, its default, what it accepts and what it does."""
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    accepted: str
+    effect: str
+    for_tests: bool = False   # read by tests and scripts, not by the library
+
+
+_BOOL = "a boolean: 1, true, yes, on or 0, false, no, off (any case)"
+_SECONDS = "a number of seconds above 0 and finite (e.g. 600 or 2.5)"
+_BYTE_COUNT = "a byte count >= 0, optionally with a unit (e.g. 1048576, 64KiB, 1GiB, 100MB)"
+_THRESHOLD = ("a byte count >= 0, optionally with a unit (e.g. 1MiB), or off (a negative count "
+              "also means off)")
+
+SETTINGS = (
+    Setting("MPISTRAT_COLLECTIVE_TIMEOUT", parse_seconds, None,
+            _SECONDS + "; unset means no timeout",
+            "default `timeout_seconds` of every collective; past it the waiting ranks raise "
+            "`DeadlineExceededError`"),
+    Setting("MPISTRAT_HEALTH_CHECK", parse_bool, True, _BOOL + "; unset means on",
+            "the peer health check: a rank that dies, leaves or becomes unreachable while "
+            "others wait ends the job with a named error (docs/troubleshooting.md)"),
+    Setting("MPISTRAT_HEALTH_TIMEOUT", parse_seconds, 10.0, _SECONDS + "; unset means 10",
+            "a peer whose host has not answered TCP keepalives for this long is unreachable: "
+            "the job ends"),
+    Setting("MPISTRAT_HEALTH_LEAVE_GRACE", parse_seconds, 3.0, _SECONDS + "; unset means 3",
+            "how long a rank may stay inside a collective after a peer left the job normally "
+            "before the job ends"),
+    Setting("MPISTRAT_VALIDATE", parse_bool, True, _BOOL + "; unset means on",
+            "the cross-rank check of op, dtypes and shapes before each collective"),
+    Setting("MPISTRAT_DETERMINISTIC", parse_bool, False, _BOOL + "; unset means off",
+            "reproducible SUM and MEAN for every engine (as "
+            "`CommunicationOptions(deterministic=True)`)"),
+    Setting("MPISTRAT_RING_THRESHOLD", parse_threshold, 1 << 20, _THRESHOLD + "; unset means 1MiB",
+            "bytes from which the ring all-reduce is used on one node"),
+    Setting("MPISTRAT_HIERARCHICAL_THRESHOLD", parse_bytes, 32 << 20,
+            _BYTE_COUNT + "; unset means 32MiB",
+            "bytes from which buffers take the hierarchical all-reduce across nodes"),
+    Setting("MPISTRAT_BUFFER_POOL_BYTES", parse_bytes, 1 << 30,
+            _BYTE_COUNT + "; 0 disables; unset means 1GiB",
+            "memory kept for reusing result buffers"),
+    Setting("MPISTRAT_TRACE", parse_bool, False, _BOOL + "; unset means off",
+            "one line per collective on stderr, tagged with the rank"),
+    Setting("MPISTRAT_TIMELINE", _path, None, "a file path; unset means off",
+            "record every collective, checkpoint and dataset step; rank 0 writes one Chrome "
+            "trace there at exit"),
+    Setting("MPISTRAT_ABORT_ON_ERROR", parse_bool, True, _BOOL + "; unset means on",
+            "an uncaught exception on any rank prints its traceback and ends the whole job"),
+    Setting("MPISTRAT_RANKS_PER_NODE", _positive_int, None,
+            "an integer >= 1; unset means the real nodes",
+            "group consecutive ranks into simulated nodes of this many ranks"),
+    Setting("MPISTRAT_CUDA_AWARE_MPI", parse_bool, None, _BOOL + "; unset means ask Open MPI",
+            "override the CUDA-awareness query (`MPIX_Query_cuda_support`)"),
+    Setting("MPISTRAT_NCCL", parse_bool, None, _BOOL + "; unset means use NCCL when it imports",
+            "off: never use NCCL (device arrays are staged or go to a CUDA-aware MPI)"),
+    Setting("MPISTRAT_DISABLE_GPU", parse_bool, False, _BOOL + "; unset means off",
+            "see no GPU: host replicas even on a GPU machine"),
+    Setting("MPISTRAT_CHECKPOINT_MODE", _choice("parallel", "parts"), "parallel",
+            "parallel or parts; unset means parallel",
+            "parts: one part file per rank plus a virtual-dataset master (for file systems "
+            "where several writers to one file are unsafe, e.g. NFS)"),
+    Setting("MPISTRAT_CHECKPOINT_PREFLIGHT", parse_bool, True, _BOOL + "; unset means on",
+            "off: skip the free-space check before a save (quota'd file systems; the file "
+            "size limit is always checked)"),
+    Setting("MPISTRAT_COORDINATOR_HOST", _text, None, "a host name or address; unset means "
+            "127.0.0.1 on one node, else rank 0's host name",
+            "the address other ranks use to reach rank 0 (JAX's coordinator)"),
+    Setting("MPISTRAT_JAX_COORDINATOR", _host_port, None,
+            "host:port; unset means a free port on rank 0",
+            "JAX's coordinator address, in full"),
+    Setting("MPISTRAT_JAX_INIT_TIMEOUT", parse_seconds, 120.0, _SECONDS + "; unset means 120",
+            "seconds JAX's runtime may take to start on every host"),
+    Setting("MPISTRAT_TEST_FAULT", _fault, None, "POINT:RANK:N (RANK >= 0, N >= 1)",
+            "tests only: rank RANK kills itself with SIGKILL the N-th time it passes POINT"),
+    Setting("MPISTRAT_TEST_ARRAYS", _choice("numpy", "jax", "cupy"), "numpy",
+            "numpy, jax or cupy; unset means numpy",
+            "tests/mpi builds its replica values, variables and expected results with this "
+            "array module", for_tests=True),
+    Setting("MPISTRAT_TEST_DEVICES_PER_HOST", _positive_int, 4, "an integer >= 1",
+            "JAX CPU devices per rank that tests/tpu expect (XLA_FLAGS sets them)", for_tests=True),
+    Setting("MPISTRAT_REPRO_DIR", _path, None, "a directory", "tests/mpi/test_reproducible.py "
+            "writes the digest of a deterministic sum there", for_tests=True),
+    Setting("MPISTRAT_TEST_LOGS", _path, None, "a directory", "tests/cluster keeps the rank-0 "
+            "logs of the suites it runs across hosts there", for_tests=True),
+    Setting("MPISTRAT_TEST_TF_PYTHON", _path, "/work/tfvenv/bin/python", "a Python executable",
+            "a Python with TensorFlow that the convert tests and benchmarks/tfrecord.py compare "
+            "against (skipped where it is missing)", for_tests=True),
+    Setting("MPISTRAT_CLUSTER_DIR", _path, "/run/mpistrat-cluster", "a directory",
+            "state of the namespace cluster (scripts/cluster)", for_tests=True),
+    Setting("MPISTRAT_MPIRUN_LIMIT", parse_seconds, 600.0, _SECONDS,
+            "default time limit of scripts/mpirun", for_tests=True),
+    Setting("MPISTRAT_BENCH_LAUNCH", _path, None, "a launch command",
+            "how scripts/bench.sh starts the multi-host benchmark (e.g. the cluster's mpirun)",
+            for_tests=True),
+    Setting("MPISTRAT_PYTEST_LIB", _path, None, "a site-packages directory",
+            "where scripts/gpu_check.sh takes pytest from when the GPU machine's Python lacks it",
+            for_tests=True),
+)
+_BY_NAME: Dict[str, Setting] = {s.name: s for s in SETTINGS}
+_SEE = " (docs/settings.md lists every variable)"
+_state = {"agreed": False}
+
+
+def _raw(name: str, environ: Optional[Mapping[str, str]]) -> Optional[str]:
+    text = (os.environ if environ is None else environ).get(name)
+    return None if text is None or not text.strip() else text
+
+
+def _refusal(setting: Setting, text: str) -> str:
+    return f"{setting.name}={text!r}: expected {setting.accepted}"
+
+
+def _parse(setting: Setting, text: str):
+    try:
+        return setting.parse(text)
+    except (ValueError, TypeError, OverflowError):
+        raise SettingError(_refusal(setting, text) + _SEE) from None
+
+
+def get(name: str, environ: Optional[Mapping[str, str]] = None, at_import: bool = False):
+    """The parsed value of variable ``name`` (its default when unset or empty).
+
+    ``at_import=True`` marks a read made while mpistrat is imported: in a job of
+    several ranks a bad value then gives the default here and is raised on every
+    rank when the world is made (``agree``), so no rank fails alone while the
+    others wait; in a single process it raises at once.
+    """
+    setting = _BY_NAME[name]
+    text = _raw(name, environ)
+    if text is None:
+        return setting.default
+    if at_import and environ is None and not _state["agreed"] and _world_size() > 1:
+        try:
+            return setting.parse(text)
+        except (ValueError, TypeError, OverflowError):
+            return setting.default   # agree() raises it on every rank
+    return _parse(setting, text)
+
+
+def problems(environ: Optional[Mapping[str, str]] = None) -> List[str]:
+    """What is wrong with every registered variable in ``environ``: one text each (pure)."""
+    found = []
+    for setting in SETTINGS:
+        text = _raw(setting.name, environ)
+        if text is not None:
+            try:
+                setting.parse(text)
+            except (ValueError, TypeError, OverflowError):
+                found.append(_refusal(setting, text))
+    return found
+
+
+def unknown_names(environ: Optional[Mapping[str, str]] = None) -> List[str]:
+    """``MPISTRAT_*`` names in ``environ`` that no setting knows, with the closest known one."""
+    env = os.environ if environ is None else environ
+    out = []
+    for name in sorted(n for n in env if n.startswith("MPISTRAT_") and n not in _BY_NAME):
+        close = difflib.get_close_matches(name, list(_BY_NAME), n=1)
+        out.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return out
+
+
+def agree(comm) -> None:
+    """Check every variable on every rank of ``comm`` (collective); raise the same
+    ``SettingError`` on every rank when any rank has a bad value, naming the ranks."""
+    mine = problems()
+    if comm.Get_size() > 1:
+        if comm.allreduce(1 if mine else 0):
+            where = f"rank {comm.Get_rank()} ({socket.gethostname()})"
+            reports = [r for r in comm.allgather((where, mine)) if r[1]]
+            raise SettingError("; ".join(f"on {where}: {'; '.join(texts)}"
+                                         for where, texts in reports) + _SEE)
+    elif mine:
+        raise SettingError("; ".join(mine) + _SEE)
+    _state["agreed"] = True
+    unknown = unknown_names()
+    if unknown:
+        warnings.warn(f"rank {comm.Get_rank()}: unknown mpistrat variables: "
+                      f"{', '.join(unknown)}{_SEE}",
+                      stacklevel=2)
+
+
+def _world_size() -> int:
+    from mpi4py import MPI
+    return MPI.COMM_WORLD.Get_size()

@@ -56,6 +56,10 @@ for n in 1 2 3 4; do
     echo "=== multi-rank tests at $n ranks"
     ranks_run "np$n" "$n" tests/mpi
 done
+# tests/mpi with JAX CPU arrays as the replicas' values (MPISTRAT_TEST_ARRAYS, tests/mpi/conftest.py);
+# tests that are NumPy only skip with their reason; the reproducible digest must stay the same.
+echo "=== multi-rank tests at 2 ranks with JAX arrays"
+MPISTRAT_TEST_ARRAYS=jax ranks_run "jax2" 2 tests/mpi 600 120
 digests=$(cat "$MPISTRAT_REPRO_DIR"/*.np[1-4].sha256 2>/dev/null | sort | uniq -c)
 echo "=== reproducible sums across 1-4 ranks:"; echo "$digests"
 if [ "$(ls "$MPISTRAT_REPRO_DIR"/*.np[1-4].sha256 2>/dev/null | wc -l)" -ne 4 ] \
@@ -91,7 +95,7 @@ MPISTRAT_TEST_LOGS=$PWD/$logs timeout --kill-after=15 1200 "$PY" -m pytest -q --
 scripts/cluster down >/dev/null 2>&1 || true
 
 passed=0; failed=0; skipped=0
-for f in "$logs/single.log" "$logs/gpu.log" "$logs/jobs.log" "$logs"/np?.rank0.log \
+for f in "$logs/single.log" "$logs/gpu.log" "$logs/jobs.log" "$logs"/np?.rank0.log "$logs"/jax?.rank0.log \
          "$logs"/nodes*.rank0.log "$logs"/tpu?.rank0.log "$logs/cluster.log" \
          "$logs"/cluster-*.rank0.log; do
     [ -f "$f" ] || continue

@@ -1,0 +1,274 @@
+"""Random-access plans: one iteration of a pipeline, addressed by element index.
+
+A *row plan* answers ``gather(indices) -> Rows`` for elements that are rows;
+a *batch plan* answers ``size(i)`` (rows of batch ``i``) and
+``rows([(i, start, stop), ...])`` (rows ``start:stop`` of batch ``i``). Index
+transformations (``take``, ``skip``, ``shard``, the shuffles, ``repeat``)
+only rewrite indices; ``map`` runs on exactly the rows asked for; a reader
+reads exactly those. So a rank asks for its rows of a global batch and pays
+for nothing else, and any step of any epoch is one computation away::
+
+    >>> import numpy as np
+    >>> from mpistrat.data.plans import SourcePlan, Remap, BatchRows
+    >>> squares = SourcePlan(10, lambda idx: idx * idx)
+    >>> batches = BatchRows(Remap(squares, 5, lambda p: p + 5), 2, drop_remainder=False)
+    >>> [batches.size(i) for i in range(batches.length)]
+    [2, 2, 1]
+    >>> batches.rows([(1, 1, 2)])[0].stack().tolist()
+    [64]
+"""
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from mpistrat import nest
+from mpistrat.data.rows import Rows
+
+__all__ = ["Plan", "SourcePlan", "MapRows", "ZipRows", "EnumerateRows", "Remap", "Repeat",
+           "BatchRows", "MapBatches", "parallel_map"]
+
+Request = Tuple[int, int, int]   # (batch index, first row, stop row)
+
+
+class Plan:
+    """Common part: ``length`` (``None`` when infinite) and whether elements are batches."""
+
+    length: Optional[int] = None
+    batched = False
+
+    def gather(self, indices: np.ndarray) -> Rows:
+        raise TypeError("elements of this plan are batches: ask for rows of a batch")
+
+    def size(self, index: int) -> int:
+        raise TypeError("elements of this plan are rows, not batches")
+
+    def rows(self, requests: Sequence[Request]) -> List[Rows]:
+        raise TypeError("elements of this plan are rows, not batches")
+
+
+def apply(fn: Callable, element: Any) -> Any:
+    """``fn(element)``, or ``fn(*element)`` for a tuple, as tf.data calls map functions."""
+    return fn(*element) if isinstance(element, tuple) else fn(element)
+
+
+_POOL: Dict[int, ThreadPoolExecutor] = {}
+
+
+def parallel_map(fn: Callable, items: Sequence[Any], workers: int) -> List[Any]:
+    """``[fn(x) for x in items]`` on ``workers`` threads, in order (NumPy releases the GIL)."""
+    if workers <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    pool = _POOL.get(workers)
+    if pool is None:
+        pool = _POOL[workers] = ThreadPoolExecutor(workers, thread_name_prefix="mpistrat-map")
+    return list(pool.map(fn, items))
+
+
+def workers_for(num_parallel_calls: Optional[int]) -> int:
+    """Threads for ``num_parallel_calls`` (``AUTOTUNE``, i.e. -1: the cores, at most 8)."""
+    if num_parallel_calls is None:
+        return 1
+    if num_parallel_calls < 0:
+        return max(1, min(8, os.cpu_count() or 1))
+    return max(1, int(num_parallel_calls))
+
+
+def _as_leaf(value: Any) -> Any:
+    return value if hasattr(value, "shape") and hasattr(value, "__getitem__") else np.asarray(value)
+
+
+class SourcePlan(Plan):
+    """``gather_stacked(indices)`` returns the stacked rows at ``indices`` (any order)."""
+
+    def __init__(self, length: int, gather_stacked: Callable[[np.ndarray], Any]):
+        self.length, self._gather = length, gather_stacked
+
+    def gather(self, indices):
+        return Rows.stacked_as(self._gather(np.asarray(indices, dtype=np.int64)), len(indices))
+
+
+class MapRows(Plan):
+    """``map(fn)`` over rows: row by row (a list), or once per request (``vectorized``)."""
+
+    def __init__(self, child: Plan, fn: Callable, vectorized: bool, workers: int):
+        self.child, self.fn, self.vectorized, self.workers = child, fn, vectorized, workers
+        self.length = child.length
+
+    def gather(self, indices):
+        rows = self.child.gather(indices)
+        if self.vectorized:
+            return map_stacked(self.fn, rows, self.workers)
+        return Rows.of_items(parallel_map(lambda e: apply(self.fn, e), rows.elements(),
+                                          self.workers))
+
+
+def map_stacked(fn: Callable, rows: Rows, workers: int) -> Rows:
+    """``fn`` on stacked rows (split into ``workers`` pieces run on threads)."""
+    if rows.count == 0 and not rows.is_stacked:
+        return rows
+    pieces = [rows] if workers <= 1 or rows.count < 2 * workers else rows.split(
+        [len(p) for p in np.array_split(np.arange(rows.count), workers)])
+    outs = parallel_map(lambda piece: Rows.stacked_as(
+        nest.map_structure(_as_leaf, apply(fn, piece.stack())), piece.count), pieces, workers)
+    return Rows.concat(outs)
+
+
+class ZipRows(Plan):
+    """Rows of several plans side by side, as ``structure`` (shortest length)."""
+
+    def __init__(self, children: List[Plan], structure: Any):
+        self.children, self.structure = children, structure
+        finite = [c.length for c in children if c.length is not None]
+        self.length = min(finite) if finite else None
+
+    def gather(self, indices):
+        parts = [c.gather(indices) for c in self.children]
+        if all(p.is_stacked for p in parts):
+            return Rows.stacked_as(nest.pack_sequence_as(self.structure,
+                                                         [p.stacked for p in parts]), len(indices))
+        columns = [p.elements() for p in parts]
+        return Rows.of_items([nest.pack_sequence_as(self.structure, list(row))
+                              for row in zip(*columns)])
+
+
+class EnumerateRows(Plan):
+    """``(start + index, element)`` pairs."""
+
+    def __init__(self, child: Plan, start: int):
+        self.child, self.start, self.length = child, start, child.length
+
+    def gather(self, indices):
+        rows = self.child.gather(indices)
+        counter = np.asarray(indices, dtype=np.int64) + self.start
+        if rows.is_stacked:
+            return Rows.stacked_as((counter, rows.stacked), rows.count)
+        return Rows.of_items([(counter[i, ...], e) for i, e in enumerate(rows.elements())])
+
+
+class Remap(Plan):
+    """Element ``p`` is the child's element ``forward(p)`` (take, skip, shard, shuffles)."""
+
+    def __init__(self, child: Plan, length: Optional[int], forward: Callable[[np.ndarray], np.ndarray]):
+        self.child, self.length, self.forward = child, length, forward
+        self.batched = child.batched
+
+    def _one(self, index: int) -> int:
+        return int(self.forward(np.array([index], dtype=np.int64))[0])
+
+    def gather(self, indices):
+        return self.child.gather(self.forward(np.asarray(indices, dtype=np.int64)))
+
+    def size(self, index):
+        return self.child.size(self._one(index))
+
+    def rows(self, requests):
+        if not requests:
+            return []
+        mapped = self.forward(np.array([r[0] for r in requests], dtype=np.int64)).tolist()
+        return self.child.rows([(i, a, b) for i, (_, a, b) in zip(mapped, requests)])
+
+
+class Repeat(Plan):
+    """``repeat(count)``: repetition ``r`` is the child plan made for iteration ``r``."""
+
+    def __init__(self, make_child: Callable[[int], Plan], count: Optional[int]):
+        self._make, self._cache = make_child, {}
+        first = self._child(0)
+        self.batched = first.batched
+        self._each = first.length
+        if self._each is None:
+            raise ValueError("repeat of an infinite dataset")
+        self.length = None if count is None else self._each * count
+        if self._each == 0:
+            self.length = 0
+
+    def _child(self, repetition: int) -> Plan:
+        plan = self._cache.get(repetition)
+        if plan is None:
+            if len(self._cache) >= 4:
+                self._cache.pop(next(iter(self._cache)))
+            plan = self._cache[repetition] = self._make(repetition)
+        return plan
+
+    def gather(self, indices):
+        indices = np.asarray(indices, dtype=np.int64)
+        reps, local = np.divmod(indices, self._each)
+        first = int(reps[0]) if len(reps) else 0
+        if not len(reps) or (reps == first).all():
+            return self._child(first).gather(local)
+        parts, order = [], []
+        for repetition in np.unique(reps).tolist():
+            where = np.flatnonzero(reps == repetition)
+            parts.append(self._child(repetition).gather(local[where]))
+            order.append(where)
+        joined = Rows.concat(parts)
+        return joined.take(np.argsort(np.concatenate(order), kind="stable"))
+
+    def size(self, index):
+        repetition, local = divmod(index, self._each)
+        return self._child(repetition).size(local)
+
+    def rows(self, requests):
+        out = []
+        for index, a, b in requests:
+            repetition, local = divmod(index, self._each)
+            out.extend(self._child(repetition).rows([(local, a, b)]))
+        return out
+
+
+class BatchRows(Plan):
+    """``batch(size)`` over a row plan: rows of several requests are gathered at once."""
+
+    batched = True
+
+    def __init__(self, child: Plan, batch_size: int, drop_remainder: bool):
+        self.child, self.batch_size = child, batch_size
+        n = child.length
+        if n is None:
+            self.length = None
+        else:
+            self.length = n // batch_size if drop_remainder else -(-n // batch_size)
+
+    def size(self, index):
+        n = self.child.length
+        start = index * self.batch_size
+        return self.batch_size if n is None else max(0, min(self.batch_size, n - start))
+
+    def rows(self, requests):
+        if not requests:
+            return []
+        counts = [max(b - a, 0) for _, a, b in requests]
+        spans = [np.arange(i * self.batch_size + a, i * self.batch_size + a + c, dtype=np.int64)
+                 for (i, a, _), c in zip(requests, counts)]
+        return self.child.gather(np.concatenate(spans)).split(counts)
+
+
+class MapBatches(Plan):
+    """``map(fn)`` over batches. ``rowwise`` (``vectorized=True``): ``fn`` of some rows is
+    those rows of ``fn`` of the batch, so a rank maps only its rows; otherwise the whole
+    batch is made and mapped, then cut."""
+
+    batched = True
+
+    def __init__(self, child: Plan, fn: Callable, rowwise: bool, workers: int):
+        self.child, self.fn, self.rowwise, self.workers = child, fn, rowwise, workers
+        self.length = child.length
+
+    def size(self, index):
+        return self.child.size(index)
+
+    def rows(self, requests):
+        if self.rowwise:
+            return parallel_map(lambda part: map_stacked(self.fn, part, 1),
+                                self.child.rows(requests), self.workers)
+        out = []
+        for index, a, b in requests:
+            whole = self.child.rows([(index, 0, self.child.size(index))])[0]
+            mapped = nest.map_structure(_as_leaf, apply(self.fn, whole.stack()))
+            rows = nest.flatten(mapped)
+            count = int(np.shape(rows[0])[0]) if rows and np.ndim(rows[0]) else 0
+            out.append(Rows.stacked_as(mapped, count).slice(a, b))
+        return out

@@ -39,8 +39,9 @@ __all__ = ["NO_LAYOUT", "DataLayout", "OffLayout", "FileLayout", "FunctionLayout
            "resume_step", "step_groups"]
 
 NO_LAYOUT = object()
-GROUP_ROWS = 4096      # rows a rank asks a plan for at once (several steps)
+GROUP_ROWS = 1024      # rows a rank maps at once (several steps of a random-access pipeline)
 GROUP_STEPS = 64
+READ_AHEAD_BYTES = 64 << 20   # records a rank reads ahead at once (sorted, coalesced runs)
 
 
 def resume_step(policy: str, saved_step: int, saved_ranks: int, ranks: int) -> int:
@@ -75,7 +76,7 @@ def step_groups(start: int, length: Optional[int], limit: int = GROUP_STEPS):
     while length is None or step < length:
         stop = step + size if length is None else min(step + size, length)
         yield range(step, stop)
-        step, size = stop, max(1, min(size * 2, limit))
+        step, size = stop, max(1, limit)
 
 
 def _batch_of(rows: Rows) -> Any:
@@ -92,6 +93,7 @@ class DataLayout:
     def __init__(self, node: ops.Node, ranks: int, rank: int):
         self.node, self.ranks, self.rank = node, ranks, rank
         self.random_access = node.blocker() is None
+        self.row_bytes = sum(n.row_bytes for n in ops.walk(node) if isinstance(n, ops.Source))
 
     def local_steps(self, it: ops.Iteration, start: int) -> Iterator[Any]:
         if not self.random_access:
@@ -99,17 +101,21 @@ class DataLayout:
         return self._seek(self.node.plan(it), start)
 
     def _seek(self, plan, start):
+        """Steps from ``start``: each window of steps is read ahead at once (its records,
+        sorted and coalesced, within ``READ_AHEAD_BYTES``), then mapped in groups."""
         if plan.length is not None and start >= plan.length:
             return
         rows_per_step = max(1, -(-plan.size(start) // self.ranks))
-        limit = max(1, min(GROUP_STEPS, GROUP_ROWS // rows_per_step))
-        for steps in step_groups(start, plan.length, limit):
-            requests = []
-            for step in steps:
-                a, b = rebatch_slices(plan.size(step), self.ranks)[self.rank]
-                requests.append((step, a, b))
-            for rows in plan.rows(requests):
-                yield _batch_of(rows)
+        group = max(1, min(GROUP_STEPS, GROUP_ROWS // rows_per_step))
+        window = max(group, READ_AHEAD_BYTES // max(1, self.row_bytes * rows_per_step))
+        for steps in step_groups(start, plan.length, window):
+            requests = [(step,) + rebatch_slices(plan.size(step), self.ranks)[self.rank]
+                        for step in steps]
+            if self.row_bytes:
+                plan.need(requests)
+            for first in range(0, len(requests), group):
+                for rows in plan.rows(requests[first:first + group]):
+                    yield _batch_of(rows)
 
     def _walk(self, it, start):
         for batch in itertools.islice(self.node.elements(it), start, None):

@@ -62,32 +62,46 @@ def open_for_reading(path: str) -> ReadHandle:
     return ReadHandle(path)
 
 
+RUNS_PER_CALL = 256   # Open MPI's OMPIO slows down per run with longer file views
+
+
 def read_runs(handle: ReadHandle, base: int, record_bytes: int, starts: np.ndarray,
               lengths: np.ndarray) -> np.ndarray:
     """Bytes of the records in runs ``(starts, lengths)`` (record numbers after ``base``
-    bytes of header), in order, as one uint8 array; a short read is a ``DataLossError``."""
+    bytes of header), in order, as one uint8 array; a short read is a ``DataLossError``.
+
+    One ``Read_at`` per run of up to ``RUNS_PER_CALL`` runs, through a file view of an
+    indexed datatype (a single run: a plain ``Read_at``)."""
     total = int(lengths.sum()) * record_bytes
     buffer = np.empty(total, dtype=np.uint8)
-    if total == 0:
-        return buffer
-    status = MPI.Status()
+    position = 0
     with handle.lock:
-        if len(starts) == 1:
-            offset = base + int(starts[0]) * record_bytes
-            handle.file.Read_at(offset, buffer, status)
-        else:
-            offset = base
-            record = MPI.BYTE.Create_contiguous(record_bytes).Commit()
-            layout = record.Create_indexed(lengths.tolist(), starts.tolist()).Commit()
-            try:
-                handle.file.Set_view(base, MPI.BYTE, layout)
-                handle.file.Read_at(0, buffer, status)
-            finally:
-                handle.file.Set_view(0, MPI.BYTE, MPI.BYTE)
-                layout.Free()
-                record.Free()
-    got = status.Get_count(MPI.BYTE)
-    if got != total:  # the file shrank after the dataset was built
-        raise DataLossError(f"{handle.path}: short read at offset {offset}: {got} of {total} "
-                            f"bytes (the file was truncated?)")
+        for first in range(0, len(starts), RUNS_PER_CALL):
+            some_starts = starts[first:first + RUNS_PER_CALL]
+            some_lengths = lengths[first:first + RUNS_PER_CALL]
+            size = int(some_lengths.sum()) * record_bytes
+            _read_some(handle, base, record_bytes, some_starts, some_lengths,
+                       buffer[position:position + size])
+            position += size
     return buffer
+
+
+def _read_some(handle, base, record_bytes, starts, lengths, out) -> None:
+    status = MPI.Status()
+    offset = base + int(starts[0]) * record_bytes
+    if len(starts) == 1:
+        handle.file.Read_at(offset, out, status)
+    else:
+        record = MPI.BYTE.Create_contiguous(record_bytes).Commit()
+        layout = record.Create_indexed(lengths.tolist(), starts.tolist()).Commit()
+        try:
+            handle.file.Set_view(base, MPI.BYTE, layout)
+            handle.file.Read_at(0, out, status)
+        finally:
+            handle.file.Set_view(0, MPI.BYTE, MPI.BYTE)
+            layout.Free()
+            record.Free()
+    got = status.Get_count(MPI.BYTE)
+    if got != out.nbytes:  # the file shrank after the dataset was built
+        raise DataLossError(f"{handle.path}: short read at offset {offset}: {got} of "
+                            f"{out.nbytes} bytes (the file was truncated?)")

@@ -118,14 +118,18 @@ def iterate_plan(plan: plans.Plan) -> Iterator[Any]:
 class Source(Node):
     """``length`` rows; ``gather(indices)`` returns them stacked (range, slices, readers)."""
 
-    def __init__(self, length: int, gather: Callable[[np.ndarray], Any], name: str):
+    reader = None   # the file reader, for sources that read files (their views are agreed)
+
+    def __init__(self, length: int, gather: Callable[[np.ndarray], Any], name: str,
+                 row_bytes: int = 0):
         self.length, self._gather, self.name = length, gather, name
+        self.row_bytes = row_bytes  # bytes read per row (0: in memory)
 
     def cardinality(self):
         return self.length
 
     def plan(self, it):
-        return plans.SourcePlan(self.length, self._gather)
+        return plans.SourcePlan(self.length, self._gather, reads=self.row_bytes > 0)
 
 
 class Generator(Node):

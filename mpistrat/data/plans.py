@@ -48,6 +48,11 @@ class Plan:
     def rows(self, requests: Sequence[Request]) -> List[Rows]:
         raise TypeError("elements of this plan are rows, not batches")
 
+    def need(self, wanted) -> None:
+        """Read ahead what ``gather(wanted)`` (row plans: indices) or ``rows(wanted)``
+        (batch plans: requests) will read: sources read it now, sorted and coalesced, and
+        serve the next gathers from memory. Plans that read nothing ignore it."""
+
 
 def apply(fn: Callable, element: Any) -> Any:
     """``fn(element)``, or ``fn(*element)`` for a tuple, as tf.data calls map functions."""
@@ -76,18 +81,53 @@ def workers_for(num_parallel_calls: Optional[int]) -> int:
     return max(1, int(num_parallel_calls))
 
 
+def sorted_unique(values) -> np.ndarray:
+    """``np.unique`` of int64 values by one sort (already sorted input: no copy kept)."""
+    values = np.asarray(values, dtype=np.int64)
+    if values.size < 2:
+        return values
+    steps = np.diff(values)
+    if (steps > 0).all():
+        return values
+    values = np.sort(values)
+    keep = np.empty(values.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(values[1:], values[:-1], out=keep[1:])
+    return values[keep]
+
+
 def _as_leaf(value: Any) -> Any:
     return value if hasattr(value, "shape") and hasattr(value, "__getitem__") else np.asarray(value)
 
 
 class SourcePlan(Plan):
-    """``gather_stacked(indices)`` returns the stacked rows at ``indices`` (any order)."""
+    """``gather_stacked(indices)`` returns the stacked rows at ``indices`` (any order).
 
-    def __init__(self, length: int, gather_stacked: Callable[[np.ndarray], Any]):
-        self.length, self._gather = length, gather_stacked
+    ``reads=True`` (file readers): ``need`` reads the rows asked for in one sorted pass
+    and keeps them until the next ``need``; gathers of rows held are served from there."""
+
+    def __init__(self, length: int, gather_stacked: Callable[[np.ndarray], Any],
+                 reads: bool = False):
+        self.length, self._gather, self._reads = length, gather_stacked, reads
+        self._held: Optional[np.ndarray] = None   # sorted indices read ahead
+        self._rows: Any = None
+
+    def need(self, wanted):
+        if not self._reads:
+            return
+        self._held = None                           # free the previous window first
+        held = sorted_unique(wanted)
+        self._rows = self._gather(held)
+        self._held = held
 
     def gather(self, indices):
-        return Rows.stacked_as(self._gather(np.asarray(indices, dtype=np.int64)), len(indices))
+        indices = np.asarray(indices, dtype=np.int64)
+        if self._held is not None and self._held.size and indices.size:
+            where = np.minimum(np.searchsorted(self._held, indices), self._held.size - 1)
+            if (self._held[where] == indices).all():
+                return Rows.stacked_as(nest.map_structure(lambda l: l[where], self._rows),
+                                       len(indices))
+        return Rows.stacked_as(self._gather(indices), len(indices))
 
 
 class MapRows(Plan):
@@ -96,6 +136,9 @@ class MapRows(Plan):
     def __init__(self, child: Plan, fn: Callable, vectorized: bool, workers: int):
         self.child, self.fn, self.vectorized, self.workers = child, fn, vectorized, workers
         self.length = child.length
+
+    def need(self, wanted):
+        self.child.need(wanted)
 
     def gather(self, indices):
         rows = self.child.gather(indices)
@@ -124,6 +167,10 @@ class ZipRows(Plan):
         finite = [c.length for c in children if c.length is not None]
         self.length = min(finite) if finite else None
 
+    def need(self, wanted):
+        for child in self.children:
+            child.need(wanted)
+
     def gather(self, indices):
         parts = [c.gather(indices) for c in self.children]
         if all(p.is_stacked for p in parts):
@@ -139,6 +186,9 @@ class EnumerateRows(Plan):
 
     def __init__(self, child: Plan, start: int):
         self.child, self.start, self.length = child, start, child.length
+
+    def need(self, wanted):
+        self.child.need(wanted)
 
     def gather(self, indices):
         rows = self.child.gather(indices)
@@ -158,17 +208,34 @@ class Remap(Plan):
     def _one(self, index: int) -> int:
         return int(self.forward(np.array([index], dtype=np.int64))[0])
 
+    def _mapped(self, requests):
+        mapped = self.forward(np.array([r[0] for r in requests], dtype=np.int64)).tolist()
+        return [(i, a, b) for i, (_, a, b) in zip(mapped, requests)]
+
+    def need(self, wanted):
+        if self.batched:
+            self.child.need(self._mapped(wanted) if wanted else [])
+            return
+        positions = sorted_unique(wanted)
+        self._memo = (positions, self.forward(positions))  # computed once per read-ahead
+        self.child.need(self._memo[1])
+
+    def _forward(self, indices: np.ndarray) -> np.ndarray:
+        memo = getattr(self, "_memo", None)
+        if memo is not None and memo[0].size and indices.size:
+            where = np.minimum(np.searchsorted(memo[0], indices), memo[0].size - 1)
+            if (memo[0][where] == indices).all():
+                return memo[1][where]
+        return self.forward(indices)
+
     def gather(self, indices):
-        return self.child.gather(self.forward(np.asarray(indices, dtype=np.int64)))
+        return self.child.gather(self._forward(np.asarray(indices, dtype=np.int64)))
 
     def size(self, index):
         return self.child.size(self._one(index))
 
     def rows(self, requests):
-        if not requests:
-            return []
-        mapped = self.forward(np.array([r[0] for r in requests], dtype=np.int64)).tolist()
-        return self.child.rows([(i, a, b) for i, (_, a, b) in zip(mapped, requests)])
+        return self.child.rows(self._mapped(requests)) if requests else []
 
 
 class Repeat(Plan):
@@ -192,6 +259,18 @@ class Repeat(Plan):
                 self._cache.pop(next(iter(self._cache)))
             plan = self._cache[repetition] = self._make(repetition)
         return plan
+
+    def need(self, wanted):
+        if self.batched:
+            groups: Dict[int, list] = {}
+            for index, a, b in wanted:
+                repetition, local = divmod(index, self._each)
+                groups.setdefault(repetition, []).append((local, a, b))
+        else:
+            reps, local = np.divmod(np.asarray(wanted, dtype=np.int64), self._each)
+            groups = {r: local[reps == r] for r in np.unique(reps).tolist()}
+        for repetition, part in groups.items():
+            self._child(repetition).need(part)
 
     def gather(self, indices):
         indices = np.asarray(indices, dtype=np.int64)
@@ -237,13 +316,20 @@ class BatchRows(Plan):
         start = index * self.batch_size
         return self.batch_size if n is None else max(0, min(self.batch_size, n - start))
 
-    def rows(self, requests):
-        if not requests:
-            return []
+    def _indices(self, requests):
         counts = [max(b - a, 0) for _, a, b in requests]
         spans = [np.arange(i * self.batch_size + a, i * self.batch_size + a + c, dtype=np.int64)
                  for (i, a, _), c in zip(requests, counts)]
-        return self.child.gather(np.concatenate(spans)).split(counts)
+        return np.concatenate(spans) if spans else np.empty(0, np.int64), counts
+
+    def need(self, wanted):
+        self.child.need(self._indices(wanted)[0])
+
+    def rows(self, requests):
+        if not requests:
+            return []
+        indices, counts = self._indices(requests)
+        return self.child.gather(indices).split(counts)
 
 
 class MapBatches(Plan):
@@ -259,6 +345,10 @@ class MapBatches(Plan):
 
     def size(self, index):
         return self.child.size(index)
+
+    def need(self, wanted):
+        self.child.need(wanted if self.rowwise else
+                        [(i, 0, self.child.size(i)) for i in sorted({r[0] for r in wanted})])
 
     def rows(self, requests):
         if self.rowwise:

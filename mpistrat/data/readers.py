@@ -105,7 +105,8 @@ class RecordFiles(Dataset):
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
         self.bytes_read = 0
         self.views = [_view_of(path) for path in self.files]  # agreed by distributed datasets
-        Dataset.__init__(self, node=ops.Source(self.num_rows, self.gather_rows, "a file reader"))
+        Dataset.__init__(self, node=ops.Source(self.num_rows, self.gather_rows, "a file reader",
+                                               row_bytes=self.record_bytes))
         self._node.reader = self
 
     def _count(self, path: str, footer_bytes: int) -> int:
@@ -155,16 +156,19 @@ class RecordFiles(Dataset):
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         if indices.size and (indices.min() < 0 or indices.max() >= self.num_rows):
             raise IndexError(f"rows outside [0, {self.num_rows}) of {self.files[0]}...")
-        wanted, inverse = np.unique(indices, return_inverse=True)
-        out = np.empty((wanted.size,) + self.shape, dtype=self.dtype)
+        if indices.size < 2 or (np.diff(indices) > 0).all():   # sorted already: no copy
+            wanted, inverse = indices, None
+        else:
+            wanted, inverse = np.unique(indices, return_inverse=True)
         bounds = np.searchsorted(wanted, self.starts)
-        for index in range(len(self.files)):
-            lo, hi = int(bounds[index]), int(bounds[index + 1])
-            if lo < hi:
-                out[lo:hi] = self._read_file_set(index, wanted[lo:hi] - self.starts[index])
-        if wanted.size == indices.size and (inverse == np.arange(indices.size)).all():
-            return out
-        return out[inverse.reshape(-1)]
+        parts = [self._read_file_set(index, wanted[bounds[index]:bounds[index + 1]] -
+                                     self.starts[index])
+                 for index in range(len(self.files)) if bounds[index] < bounds[index + 1]]
+        if not parts:
+            out = np.empty((0,) + self.shape, dtype=self.dtype)
+        else:
+            out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return out if inverse is None else out[inverse.reshape(-1)]
 
     def _read_file_set(self, file_index: int, rows: np.ndarray) -> np.ndarray:
         starts, lengths = runs_of(rows)

@@ -67,10 +67,10 @@ def resume_step(policy: str, saved_step: int, saved_ranks: int, ranks: int) -> i
 
 def step_groups(start: int, length: Optional[int], limit: int = GROUP_STEPS):
     """Runs of consecutive steps from ``start``: 1 step first (a resumed iterator's first
-    batch is ready at once), then doubling up to ``limit`` steps.
+    batch is ready at once, whatever the position), then ``limit`` steps at a time.
 
     >>> [list(r) for r in step_groups(3, 10, limit=4)]
-    [[3], [4, 5], [6, 7, 8, 9]]
+    [[3], [4, 5, 6, 7], [8, 9]]
     """
     size, step = 1, start
     while length is None or step < length:

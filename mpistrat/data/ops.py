@@ -12,7 +12,10 @@ were made before::
     >>> from mpistrat.data.ops import Iteration, Source, GlobalShuffle, Batch
     >>> source = Source(6, lambda idx: idx * 10, "range")
     >>> batches = Batch(GlobalShuffle(source, seed=1, reshuffle=True), 4, False)
-    >>> [sorted(b.tolist()) for b in batches.elements(Iteration((0,)))][0] != [0, 10, 20, 30]
+    >>> epoch = [b.tolist() for b in batches.elements(Iteration((0,)))]
+    >>> sorted(sum(epoch, [])) == [0, 10, 20, 30, 40, 50], [len(b) for b in epoch]
+    (True, [4, 2])
+    >>> epoch == [b.tolist() for b in batches.elements(Iteration((0,)))]  # same path, same order
     True
 """
 

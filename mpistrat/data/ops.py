@@ -107,10 +107,8 @@ def iterate_plan(plan: plans.Plan) -> Iterator[Any]:
     while plan.length is None or position < plan.length:
         stop = position + group if plan.length is None else min(position + group, plan.length)
         if plan.batched:
-            requests = [(i, 0, plan.size(i)) for i in range(position, stop)]
-            for rows in plan.rows(requests):
-                yield rows.stack()
-            group = min(group * 2, max(1, 4096 // max(requests[0][2], 1)))
+            yield from plan.batches(range(position, stop))
+            group = min(group * 2, 16)
         else:
             yield from plan.gather(np.arange(position, stop, dtype=np.int64)).elements()
             group = min(group * 2, 1024)

@@ -48,6 +48,10 @@ class Plan:
     def rows(self, requests: Sequence[Request]) -> List[Rows]:
         raise TypeError("elements of this plan are rows, not batches")
 
+    def batches(self, indices: Sequence[int]) -> List[Any]:
+        """Whole elements ``indices`` of a batch plan (what iterating the dataset yields)."""
+        return [rows.stack() for rows in self.rows([(i, 0, self.size(i)) for i in indices])]
+
     def need(self, wanted) -> None:
         """Read ahead what ``gather(wanted)`` (row plans: indices) or ``rows(wanted)``
         (batch plans: requests) will read: sources read it now, sorted and coalesced, and
@@ -237,6 +241,11 @@ class Remap(Plan):
     def rows(self, requests):
         return self.child.rows(self._mapped(requests)) if requests else []
 
+    def batches(self, indices):
+        if not len(indices):
+            return []
+        return self.child.batches(self.forward(np.asarray(indices, dtype=np.int64)).tolist())
+
 
 class Repeat(Plan):
     """``repeat(count)``: repetition ``r`` is the child plan made for iteration ``r``."""
@@ -297,6 +306,13 @@ class Repeat(Plan):
             out.extend(self._child(repetition).rows([(local, a, b)]))
         return out
 
+    def batches(self, indices):
+        out = []
+        for index in indices:
+            repetition, local = divmod(index, self._each)
+            out.extend(self._child(repetition).batches([local]))
+        return out
+
 
 class BatchRows(Plan):
     """``batch(size)`` over a row plan: rows of several requests are gathered at once."""
@@ -335,16 +351,33 @@ class BatchRows(Plan):
 class MapBatches(Plan):
     """``map(fn)`` over batches. ``rowwise`` (``vectorized=True``): ``fn`` of some rows is
     those rows of ``fn`` of the batch, so a rank maps only its rows; otherwise the whole
-    batch is made and mapped, then cut."""
+    batch is made and mapped, then cut (the last few kept, as ranks ask for their slices)."""
 
     batched = True
 
     def __init__(self, child: Plan, fn: Callable, rowwise: bool, workers: int):
         self.child, self.fn, self.rowwise, self.workers = child, fn, rowwise, workers
         self.length = child.length
+        self._made: Dict[int, Any] = {}
+
+    def _mapped(self, index: int) -> Any:
+        batch = self._made.get(index)
+        if batch is None:
+            if len(self._made) >= 8:
+                self._made.pop(next(iter(self._made)))
+            batch = self._made[index] = nest.map_structure(
+                _as_leaf, apply(self.fn, self.child.batches([index])[0]))
+        return batch
 
     def size(self, index):
-        return self.child.size(index)
+        if self.rowwise:
+            return self.child.size(index)
+        leaves = nest.flatten(self._mapped(index))
+        if not leaves or any(np.ndim(leaf) == 0 for leaf in leaves):
+            raise ValueError("a distributed dataset cuts every batch into per-replica slices, "
+                             "but the map after batch returned values without a batch "
+                             "dimension")
+        return int(np.shape(leaves[0])[0])
 
     def need(self, wanted):
         self.child.need(wanted if self.rowwise else
@@ -354,11 +387,9 @@ class MapBatches(Plan):
         if self.rowwise:
             return parallel_map(lambda part: map_stacked(self.fn, part, 1),
                                 self.child.rows(requests), self.workers)
-        out = []
-        for index, a, b in requests:
-            whole = self.child.rows([(index, 0, self.child.size(index))])[0]
-            mapped = nest.map_structure(_as_leaf, apply(self.fn, whole.stack()))
-            rows = nest.flatten(mapped)
-            count = int(np.shape(rows[0])[0]) if rows and np.ndim(rows[0]) else 0
-            out.append(Rows.stacked_as(mapped, count).slice(a, b))
-        return out
+        return [Rows.stacked_as(self._mapped(i), self.size(i)).slice(a, b)
+                for i, a, b in requests]
+
+    def batches(self, indices):
+        return parallel_map(lambda batch: apply(self.fn, batch), self.child.batches(indices),
+                            self.workers)

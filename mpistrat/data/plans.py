@@ -104,6 +104,32 @@ def _as_leaf(value: Any) -> Any:
     return value if hasattr(value, "shape") and hasattr(value, "__getitem__") else np.asarray(value)
 
 
+class Held:
+    """Sorted unique ``indices`` held in memory, and where each one is (``find``): a table
+    over the whole index range when that is small, else a binary search."""
+
+    TABLE_LIMIT = 1 << 24
+
+    def __init__(self, indices: np.ndarray, universe: Optional[int]):
+        self.indices = indices
+        self._table = None
+        if universe is not None and universe <= self.TABLE_LIMIT and indices.size:
+            self._table = np.full(universe, -1, dtype=np.int64)
+            self._table[indices] = np.arange(indices.size)
+
+    def find(self, query: np.ndarray) -> Optional[np.ndarray]:
+        """Positions of ``query`` among the held indices, or ``None`` if one is missing."""
+        if not self.indices.size or not query.size:
+            return None
+        if self._table is not None:
+            if query.min() < 0 or query.max() >= self._table.size:
+                return None
+            where = self._table[query]
+            return where if (where >= 0).all() else None
+        where = np.minimum(np.searchsorted(self.indices, query), self.indices.size - 1)
+        return where if (self.indices[where] == query).all() else None
+
+
 class SourcePlan(Plan):
     """``gather_stacked(indices)`` returns the stacked rows at ``indices`` (any order).
 
@@ -113,24 +139,23 @@ class SourcePlan(Plan):
     def __init__(self, length: int, gather_stacked: Callable[[np.ndarray], Any],
                  reads: bool = False):
         self.length, self._gather, self._reads = length, gather_stacked, reads
-        self._held: Optional[np.ndarray] = None   # sorted indices read ahead
+        self._held: Optional[Held] = None
         self._rows: Any = None
 
     def need(self, wanted):
         if not self._reads:
             return
-        self._held = None                           # free the previous window first
-        held = sorted_unique(wanted)
-        self._rows = self._gather(held)
-        self._held = held
+        self._held = self._rows = None              # free the previous window first
+        indices = sorted_unique(wanted)
+        self._rows = self._gather(indices)
+        self._held = Held(indices, self.length)
 
     def gather(self, indices):
         indices = np.asarray(indices, dtype=np.int64)
-        if self._held is not None and self._held.size and indices.size:
-            where = np.minimum(np.searchsorted(self._held, indices), self._held.size - 1)
-            if (self._held[where] == indices).all():
-                return Rows.stacked_as(nest.map_structure(lambda l: l[where], self._rows),
-                                       len(indices))
+        where = self._held.find(indices) if self._held is not None else None
+        if where is not None:
+            return Rows.stacked_as(nest.map_structure(lambda l: l[where], self._rows),
+                                   len(indices))
         return Rows.stacked_as(self._gather(indices), len(indices))
 
 
@@ -221,16 +246,13 @@ class Remap(Plan):
             self.child.need(self._mapped(wanted) if wanted else [])
             return
         positions = sorted_unique(wanted)
-        self._memo = (positions, self.forward(positions))  # computed once per read-ahead
+        self._memo = (Held(positions, self.length), self.forward(positions))  # once per window
         self.child.need(self._memo[1])
 
     def _forward(self, indices: np.ndarray) -> np.ndarray:
         memo = getattr(self, "_memo", None)
-        if memo is not None and memo[0].size and indices.size:
-            where = np.minimum(np.searchsorted(memo[0], indices), memo[0].size - 1)
-            if (memo[0][where] == indices).all():
-                return memo[1][where]
-        return self.forward(indices)
+        where = memo[0].find(indices) if memo is not None else None
+        return self.forward(indices) if where is None else memo[1][where]
 
     def gather(self, indices):
         return self.child.gather(self._forward(np.asarray(indices, dtype=np.int64)))

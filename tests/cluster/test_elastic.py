@@ -7,24 +7,15 @@ uninterrupted run."""
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
 from .conftest import ROOT, job_env
+from .test_slurm_templates import _wait_for
 
 pytestmark = pytest.mark.timeout(1200)
 TEMPLATE = ROOT / "slurm" / "train_elastic.sbatch"
 EPOCHS = 3
-
-
-def _wait_for(predicate, seconds, what):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise TimeoutError(f"{what} not within {seconds}s")
 
 
 def _scontrol(cluster, *args):

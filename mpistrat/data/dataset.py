@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 import numpy as np
 
 from mpistrat import nest
-from mpistrat.data import ops
+from mpistrat.data import ops, shuffles
 from mpistrat.data.options import Options
 from mpistrat.data.plans import workers_for
 
@@ -140,7 +140,7 @@ class Dataset:
         Deterministic for a seed; without one, the ranks of a distributed dataset
         agree on one. A new order each iteration unless ``reshuffle_each_iteration=False``.
         """
-        return self._wrap(ops.Shuffle(self._node, buffer_size, seed, reshuffle_each_iteration))
+        return self._wrap(shuffles.Shuffle(self._node, buffer_size, seed, reshuffle_each_iteration))
 
     def global_shuffle(self, seed: Optional[int] = None,
                        reshuffle_each_iteration: bool = True) -> "Dataset":
@@ -158,7 +158,7 @@ class Dataset:
         if self._node.cardinality() < 0:
             raise ValueError("global_shuffle needs a finite dataset (repeat after it, not "
                              "before)")
-        return self._wrap(ops.GlobalShuffle(self._node, seed, reshuffle_each_iteration))
+        return self._wrap(shuffles.GlobalShuffle(self._node, seed, reshuffle_each_iteration))
 
     def repeat(self, count: Optional[int] = None) -> "Dataset":
         """Repeat the dataset ``count`` times (forever for ``None``)."""

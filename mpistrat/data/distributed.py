@@ -47,7 +47,7 @@ import numpy as np
 
 from mpistrat.collectives import ReduceOp
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
-from mpistrat.data import layouts, ops
+from mpistrat.data import layouts, ops, shuffles
 from mpistrat.data.dataset import Dataset, TensorSpec
 from mpistrat.data.experimental import Optional as OptionalValue
 from mpistrat.data.options import AutoShardPolicy
@@ -267,7 +267,7 @@ def seeds_for(layout, base: int) -> dict:
                                                      None)
     if node is None:
         return {}
-    randoms = [n for n in ops.walk(node) if isinstance(n, ops._Random) and n.seed is None]
+    randoms = [n for n in ops.walk(node) if isinstance(n, shuffles.Random) and n.seed is None]
     return {id(n): derive_key(base, (k,)) for k, n in enumerate(randoms)}
 
 

@@ -9,7 +9,8 @@ every rank and in every process, and nothing depends on how many iterators
 were made before::
 
     >>> import numpy as np
-    >>> from mpistrat.data.ops import Iteration, Source, GlobalShuffle, Batch
+    >>> from mpistrat.data.ops import Iteration, Source, Batch
+    >>> from mpistrat.data.shuffles import GlobalShuffle
     >>> source = Source(6, lambda idx: idx * 10, "range")
     >>> batches = Batch(GlobalShuffle(source, seed=1, reshuffle=True), 4, False)
     >>> epoch = [b.tolist() for b in batches.elements(Iteration((0,)))]
@@ -20,26 +21,19 @@ were made before::
 """
 
 import itertools
-import secrets
 from typing import Any, Callable, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
 
 from mpistrat import nest
 from mpistrat.data import plans
-from mpistrat.data.permutation import IndexPermutation, ShuffleBuffer, buffer_shuffle_order, \
-    derive_key
 from mpistrat.data.rows import Rows, stack_elements
 from mpistrat.data.threads import prefetched
 
 __all__ = ["INFINITE", "UNKNOWN", "Iteration", "Node", "Source", "Generator", "Map", "Filter",
-           "Shuffle", "GlobalShuffle", "Repeat", "IndexSlice", "Enumerate", "Zip", "Batch",
-           "Unbatch", "Prefetch", "walk"]
+           "Repeat", "IndexSlice", "Enumerate", "Zip", "Batch", "Unbatch", "Prefetch", "walk"]
 
 INFINITE, UNKNOWN = -1, -2
-# shuffle(buffer) over a random-access input stores its order per epoch: up to this many
-# elements (8 bytes each); longer inputs are shuffled element by element through the buffer
-STORED_ORDER_LIMIT = 1 << 25
 
 
 class Iteration(NamedTuple):
@@ -150,7 +144,7 @@ class Generator(Node):
 
 
 # -- transformations -------------------------------------------------------------------
-class _Unary(Node):
+class Unary(Node):
     def __init__(self, input_: Node):
         self.inputs = (input_,)
         self.batch_size, self.drop_remainder = input_.batch_size, input_.drop_remainder
@@ -160,7 +154,7 @@ class _Unary(Node):
         return self.inputs[0]
 
 
-class Map(_Unary):
+class Map(Unary):
     """``map(fn)``; ``vectorized``: ``fn`` takes stacked rows and treats each row alone."""
 
     name = "map"
@@ -190,7 +184,7 @@ class Map(_Unary):
                                                                   len(chunk)), 1).elements()
 
 
-class Filter(_Unary):
+class Filter(Unary):
     name = "filter"
 
     def __init__(self, input_, predicate: Callable):
@@ -207,64 +201,7 @@ class Filter(_Unary):
         return (e for e in self.input.elements(it) if bool(plans.apply(self.predicate, e)))
 
 
-class _Random(_Unary):
-    def __init__(self, input_, seed: Optional[int], reshuffle: bool):
-        super().__init__(input_)
-        self.seed = None if seed is None else int(seed)
-        self.reshuffle = bool(reshuffle)
-        self.fallback_seed = secrets.randbits(63)  # unseeded: each process draws its own
-        # (a distributed dataset replaces it with one the ranks agree on)
-
-    def key(self, it: Iteration, salt: int) -> int:
-        return derive_key(it.seed_for(self), ((salt,) + it.path) if self.reshuffle else (salt,))
-
-
-class Shuffle(_Random):
-    """``shuffle(buffer_size)``: TensorFlow's buffer; over a random-access input the same
-    choices are made on indices (``buffer_shuffle_order``), so the result stays seekable."""
-
-    name = "shuffle"
-
-    def __init__(self, input_, buffer_size: int, seed, reshuffle):
-        super().__init__(input_, seed, reshuffle)
-        if int(buffer_size) < 1:
-            raise ValueError(f"buffer_size must be positive, got {buffer_size}")
-        self.buffer_size = int(buffer_size)
-
-    def blocker(self):
-        reason = self.input.blocker()
-        if reason:
-            return reason
-        n = self.input.cardinality()
-        if n < 0 or n > STORED_ORDER_LIMIT:
-            return (f"shuffle(buffer_size) over {'an infinite' if n == INFINITE else 'a long'} "
-                    f"input (its order is not stored beyond {STORED_ORDER_LIMIT} elements)")
-        return None
-
-    def plan(self, it):
-        child = self.input.plan(it)
-        order = buffer_shuffle_order(child.length, self.buffer_size, self.key(it, 0))
-        return plans.Remap(child, child.length, lambda p: order[p])
-
-    def sequential(self, it):
-        return ShuffleBuffer(self.buffer_size, self.key(it, 0)).shuffle(self.input.elements(it))
-
-
-class GlobalShuffle(_Random):
-    """``global_shuffle``: a keyed permutation of the input's indices (``IndexPermutation``)."""
-
-    name = "global_shuffle"
-
-    def plan(self, it):
-        child = self.input.plan(it)
-        permutation = IndexPermutation(child.length, self.key(it, 1))
-        return plans.Remap(child, child.length, permutation)
-
-    def sequential(self, it):  # pragma: no cover - construction requires random access
-        raise ValueError("global_shuffle needs random access to its input")
-
-
-class Repeat(_Unary):
+class Repeat(Unary):
     name = "repeat"
 
     def __init__(self, input_, count: Optional[int]):
@@ -289,7 +226,7 @@ class Repeat(_Unary):
             yield from self.input.elements(it.child(repetition))
 
 
-class IndexSlice(_Unary):
+class IndexSlice(Unary):
     """``take`` (``[:n]``), ``skip`` (``[n:]``) and ``shard`` (``[i::n]``): index arithmetic."""
 
     def __init__(self, input_, start: int, stop: Optional[int], step: int, name: str):
@@ -314,7 +251,7 @@ class IndexSlice(_Unary):
         return itertools.islice(self.input.elements(it), self.start, self.stop, self.step)
 
 
-class Enumerate(_Unary):
+class Enumerate(Unary):
     name = "enumerate"
 
     def __init__(self, input_, start: int):
@@ -361,7 +298,7 @@ class Zip(Node):
                 for items in zip(*[node.elements(it) for node in self.inputs]))
 
 
-class Batch(_Unary):
+class Batch(Unary):
     name = "batch"
 
     def __init__(self, input_, batch_size: int, drop_remainder: bool):
@@ -393,7 +330,7 @@ class Batch(_Unary):
             yield stack_elements(chunk)
 
 
-class Unbatch(_Unary):
+class Unbatch(Unary):
     name = "unbatch"
 
     def __init__(self, input_):
@@ -413,7 +350,7 @@ class Unbatch(_Unary):
                 yield nest.pack_sequence_as(element, [leaf[i] for leaf in leaves])
 
 
-class Prefetch(_Unary):
+class Prefetch(Unary):
     """``prefetch(depth)``: a thread keeps ``depth`` elements ready; transparent to plans
     (a distributed dataset prefetches its own rows with the depth found here)."""
 

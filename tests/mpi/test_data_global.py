@@ -2,6 +2,7 @@
 process sees (digest per step), every row once per epoch for each policy, bytes read per rank,
 unseeded shuffles agreed, a resume at a step, the end of data as an Optional, bfloat16."""
 
+import contextlib
 import hashlib
 import os
 
@@ -214,3 +215,21 @@ def test_bfloat16_survives_distribution_and_empty_slices(strategy, world):
     only = [b.values[0] for b in strategy.experimental_distribute_dataset(tiny)]
     assert len(only) == 1 and only[0].dtype == ml_dtypes.bfloat16
     assert only[0].shape == ((1,) if world.rank == 0 else (0,))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_pipeline_without_random_access_replays_with_a_warning(strategy, world, shared_dir):
+    def make():
+        dataset = Dataset.range(60).filter(lambda x: x % 4 != 3).shuffle(9, seed=2).batch(5)
+        return iter(strategy.experimental_distribute_dataset(dataset))
+
+    first = make()
+    for _ in range(4):
+        next(first)
+    path = ms.Checkpoint(iterator=first).save(os.path.join(shared_dir, "replay"))
+    rest = [b.values[0].tolist() for b in first]
+    resumed = make()
+    with pytest.warns(UserWarning, match="replays 4 steps.*filter") if world.rank == 0 else \
+            contextlib.nullcontext():
+        ms.Checkpoint(iterator=resumed).restore(path)
+    assert [b.values[0].tolist() for b in resumed] == rest

@@ -10,6 +10,10 @@
   summed loss and the count of correct predictions; summing (not averaging) per replica
   lets the caller divide by the global row count, so any split of a batch over replicas
   gives the same update.
+* ``per_example_grads``: the gradient of each example of a micro-batch on its own
+  (``jax.lax.map`` of one example's gradient), for ``--deterministic``: every example
+  runs the same compiled program wherever it lands, so the exact sum of them all does
+  not depend on how the batch was split.
 * ``adam_update``: Adam, written plainly as a pure function over pytrees.
 """
 
@@ -101,6 +105,14 @@ def grad_sums(params, batch):
     import jax.numpy as jnp
     grads, (loss, correct) = jax.grad(_loss_and_stats, has_aux=True)(params, batch)
     return grads, jnp.stack([loss, correct, jnp.float32(batch.shape[0])])
+
+
+def per_example_grads(params, rows):
+    """``(gradients, [loss, correct, 1])`` of every row of ``rows``, each row alone: one
+    example's gradient mapped over the rows (a loop in the compiled program, not a batched
+    matrix product whose rounding could depend on the row's position)."""
+    import jax
+    return jax.lax.map(lambda row: grad_sums(params, row[None, :]), rows)
 
 
 def eval_sums(params, batch):

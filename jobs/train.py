@@ -7,9 +7,17 @@
    ``ms.Variable`` objects made in ``strategy.scope()`` (every rank starts from rank 0's).
 3. ``ms.data.NpyDataset(...).batch(global_batch)`` read over MPI-IO and split by
    ``strategy.experimental_distribute_dataset``: each rank reads only its rows of each batch.
+   The rows are globally shuffled (``global_shuffle(seed)``): the same global batches at
+   any number of ranks, and a restored position is found without reading what came before.
 4. Each step, ``strategy.run`` computes the *summed* loss gradient of the replica's rows
    with ``jax.grad``; one all-reduce (SUM) combines gradients and counts, and dividing by
    the global row count makes the update independent of the number of ranks.
+   With ``--deterministic`` the parameters end bit for bit the same at any number of ranks
+   (and across a resume at another width): each replica computes every example's gradient
+   alone, in micro-batches of a fixed shape (the same compiled program for every example),
+   and ``strategy.reduce("SUM", per_example, axis=0)`` under
+   ``CommunicationOptions(deterministic=True)`` sums all examples of the global batch
+   exactly, whichever rank holds them.
 5. A ``CheckpointManager`` saves model, optimizer, epoch, metrics and the dataset iterator's
    position; a ``PreemptionCheckpointHandler`` restores the latest checkpoint on start and,
    on SIGTERM/SIGUSR1 to any rank, saves at one agreed step and exits with 75 (requeue).
@@ -18,7 +26,8 @@
 Flags: ``--data DIR`` (your own ``train.npy``/``test.npy``: float32 rows of features followed
 by a label), ``--epochs``, ``--global-batch``, ``--replicas numpy|cupy|tpu``,
 ``--strategy multiworker|mirrored``, ``--checkpoint-dir``, ``--checkpoint-every STEPS``,
-``--deterministic``. Other ranks print nothing unless ``--all-ranks``.
+``--deterministic``, ``--micro-batch``. Other ranks print nothing unless ``--all-ranks``.
+The chief ends by printing a digest of the parameters' bits.
 """
 
 import argparse
@@ -56,12 +65,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
                         help="also save every STEPS steps within an epoch (0: epoch ends only)")
     parser.add_argument("--deterministic", action="store_true",
-                        help="reductions in a fixed order (CommunicationOptions(deterministic=True))")
+                        help="bit-identical parameters at any number of ranks: per-example "
+                             "gradients summed exactly (CommunicationOptions(deterministic=True))")
+    parser.add_argument("--micro-batch", type=int, default=16,
+                        help="rows per compiled per-example step with --deterministic "
+                             "(default %(default)s)")
     parser.add_argument("--all-ranks", action="store_true",
                         help="every rank prints what it read (other ranks are quiet by default)")
     args = parser.parse_args(argv)
-    if args.epochs < 1 or args.global_batch < 1 or args.checkpoint_every < 0:
-        parser.error("--epochs and --global-batch must be positive, --checkpoint-every >= 0")
+    if args.epochs < 1 or args.global_batch < 1 or args.checkpoint_every < 0 or \
+            args.micro_batch < 1:
+        parser.error("--epochs, --global-batch and --micro-batch must be positive, "
+                     "--checkpoint-every >= 0")
+    if args.deterministic and args.replicas == "tpu":
+        parser.error("--deterministic needs --replicas numpy or cupy (a TPUStrategy step is "
+                     "one compiled SPMD program; see docs/getting-started.md)")
     return args
 
 
@@ -113,7 +131,7 @@ class Model:
     reduced values everywhere, so the replicas stay identical). Returns the global stats.
     """
 
-    def __init__(self, strategy, init, lr: float, to_replica, from_replica):
+    def __init__(self, strategy, init, lr: float, to_replica, from_replica, micro_batch=16):
         import jax
         self._map = jax.tree_util.tree_map
         with strategy.scope():   # every rank starts from rank 0's values
@@ -126,6 +144,7 @@ class Model:
         self._lr, self._to, self._from = lr, to_replica, from_replica
         self._grad, self._eval = jax.jit(digits.grad_sums), jax.jit(digits.eval_sums)
         self._update = jax.jit(digits.adam_update)
+        self._per_example, self._micro = jax.jit(digits.per_example_grads), micro_batch
 
     def _read(self, tree):
         return self._map(lambda v: v.read_value(), tree)
@@ -134,6 +153,28 @@ class Model:
         grads, stats = self._grad(self._read(self.params), batch)
         total = self._from(ms.get_replica_context().all_reduce(
             "SUM", {"grads": self._to(grads), "stats": self._to(stats)}))
+        return self.apply(total)
+
+    def per_example_step(self, batch):
+        """Every row's own gradient and ``[loss, correct, 1]`` (``--deterministic``), computed
+        ``micro_batch`` rows at a time with zero rows padding the last micro-batch (dropped)."""
+        import jax
+        rows = np.asarray(jax.device_get(batch))
+        count, micro = rows.shape[0], self._micro
+        padded = np.zeros((-(-count // micro) * micro, rows.shape[1]), rows.dtype)
+        padded[:count] = rows
+        params = self._read(self.params)
+        parts = [jax.device_get(self._per_example(params, padded[k:k + micro]))
+                 for k in range(0, len(padded), micro)]
+        if not parts:   # a replica without rows this step: empty rows of the right shapes
+            grads = self._map(lambda p: np.zeros((0,) + np.shape(p), np.float32), params)
+            return self._to({"grads": grads, "stats": np.zeros((0, 3), np.float32)})
+        joined = self._map(lambda *xs: np.concatenate(xs)[:count], *parts)
+        return self._to({"grads": joined[0], "stats": joined[1]})
+
+    def apply(self, total):
+        """Adam with the summed gradients over the global row count (the same on every
+        replica); returns the global ``[loss sum, correct, rows]``."""
         rows_seen = total["stats"][2]
         grads = self._map(lambda g: g / rows_seen, total["grads"])
         step = self.iterations.read_value() + 1
@@ -202,6 +243,16 @@ def plot(history: History, path: str, title: str) -> None:
     os.replace(temporary, path)
 
 
+def parameter_digest(params) -> str:
+    """SHA-256 of the parameters' bits, in the order of their sorted names."""
+    import hashlib
+    digest = hashlib.sha256()
+    for layer in sorted(params):
+        for name in sorted(params[layer]):
+            digest.update(np.ascontiguousarray(np.asarray(params[layer][name].numpy())).tobytes())
+    return digest.hexdigest()
+
+
 def prepare_once(data_dir: str) -> None:
     """Rank 0 writes the data if missing; every rank raises if that failed."""
     from mpi4py import MPI
@@ -236,15 +287,16 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
     model = Model(strategy, digits.init_params(features, args.hidden, classes, args.seed),
-                  args.lr, to_replica, from_replica)
+                  args.lr, to_replica, from_replica, args.micro_batch)
     with strategy.scope():
         epoch = ms.Variable(np.int64(0), name="epoch")
 
     options = ms.data.Options()
     options.experimental_distribute.auto_shard_policy = ms.data.AutoShardPolicy.DATA
     train_reader = ms.data.NpyDataset(train_file)
-    train = strategy.experimental_distribute_dataset(
-        train_reader.batch(args.global_batch, drop_remainder=static).with_options(options))
+    train = strategy.experimental_distribute_dataset(   # a new order each epoch, any width
+        train_reader.global_shuffle(seed=args.seed)
+        .batch(args.global_batch, drop_remainder=static).with_options(options))
     test = strategy.experimental_distribute_dataset(
         ms.data.NpyDataset(test_file).batch(args.global_batch, drop_remainder=static)
         .with_options(options))
@@ -275,6 +327,9 @@ def main(argv=None) -> int:
 
     def one_step():
         batch = next(iterator)        # after the preemption check: a saved position is exact
+        if args.deterministic:        # every example's gradient, then one exact sum of them all
+            per_example = strategy.run(model.per_example_step, args=(batch,))
+            return model.apply(model._from(strategy.reduce("SUM", per_example, axis=0)))
         return strategy.run(model.train_step, args=(batch,))
 
     # mpirun gives ranks a terminal of size 0x0 (tqdm would then hide its bar): use the
@@ -324,6 +379,7 @@ def main(argv=None) -> int:
         except ImportError as err:
             curves = f"not drawn ({err.name} is not installed)"
         print(f"test accuracy: {accuracy:.3f}")
+        print(f"parameter digest: {parameter_digest(model.params)}")
         print(f"checkpoints: {os.path.abspath(args.checkpoint_dir)} (latest "
               f"{os.path.basename(manager.latest_checkpoint)}.h5, HDF5: h5py or h5dump open it)")
         print(f"curves: {os.path.abspath(curves) if curves.endswith('.png') else curves}",

@@ -1,7 +1,8 @@
 """``ms.data.Dataset``: a small counterpart of ``tf.data`` over NumPy.
 
 Elements are nests (dicts, tuples, lists) of NumPy arrays. Datasets are
-re-iterable pipelines; each ``iter()`` starts from the beginning::
+re-iterable pipelines; each ``iter()`` starts from the beginning (and is a new
+epoch for the shuffles, as in TensorFlow)::
 
     >>> from mpistrat.data import Dataset
     >>> [b.tolist() for b in Dataset.range(7).batch(3)]
@@ -9,19 +10,33 @@ re-iterable pipelines; each ``iter()`` starts from the beginning::
     >>> ds = Dataset.from_tensor_slices({"x": [1, 2, 3], "y": [4, 5, 6]}).map(lambda e: e["x"] + e["y"])
     >>> [int(v) for v in ds.filter(lambda v: v > 5)]
     [7, 9]
+    >>> sorted(int(v) for v in Dataset.range(5).global_shuffle(seed=0))
+    [0, 1, 2, 3, 4]
+
+*Random access.* Sources (``range``, ``from_tensor_slices``, the file
+readers) and ``map``, ``zip``, ``batch``, ``take``, ``skip``, ``shard``,
+``repeat``, ``enumerate``, ``prefetch``, ``shuffle`` and ``global_shuffle``
+over them can compute any element from its index. Distributed, such a
+pipeline reads and maps only the rows a rank keeps, and a restored iterator
+seeks to its step. ``filter``, ``unbatch`` and ``Dataset(generator)`` do not;
+pipelines through them are iterated element by element (and a restored
+iterator replays).
 """
 
-import itertools
-import queue
-import threading
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import numpy as np
 
 from mpistrat import nest
+from mpistrat.data import ops, shuffles
 from mpistrat.data.options import Options
+from mpistrat.data.plans import workers_for
 
-__all__ = ["Dataset", "TensorSpec"]
+__all__ = ["Dataset", "TensorSpec", "AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY"]
+
+AUTOTUNE = -1                        # tf.data.AUTOTUNE
+INFINITE_CARDINALITY = ops.INFINITE  # tf.data.INFINITE_CARDINALITY
+UNKNOWN_CARDINALITY = ops.UNKNOWN
 
 
 class TensorSpec(NamedTuple):
@@ -32,28 +47,43 @@ class TensorSpec(NamedTuple):
 
 
 class Dataset:
-    """A re-iterable pipeline of elements; see the module docstring."""
+    """A re-iterable pipeline of elements; see the module docstring.
 
-    def __init__(self, make_iter: Callable[[], Iterator[Any]], batch_size: Optional[int] = None,
-                 drop_remainder: bool = False, options: Optional[Options] = None):
-        self._make_iter = make_iter
-        self._batch_size = batch_size          # set when the elements are batches
-        self._drop_remainder = drop_remainder
+    ``Dataset(make_iter, batch_size=None, drop_remainder=False)`` wraps a
+    function returning a fresh iterator (no random access).
+    """
+
+    def __init__(self, make_iter: Optional[Callable[[], Iterator[Any]]] = None,
+                 batch_size: Optional[int] = None, drop_remainder: bool = False,
+                 options: Optional[Options] = None, *, node: Optional[ops.Node] = None):
+        self._node = node if node is not None else ops.Generator(make_iter, batch_size,
+                                                                 drop_remainder)
         self._options = options or Options()
+        self._epochs = 0   # iterations started: the epoch of the next one
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._make_iter())
+        epoch, self._epochs = self._epochs, self._epochs + 1
+        return iter(self._node.elements(ops.Iteration((epoch,))))
 
-    def _derive(self, make_iter, batched: bool = True) -> "Dataset":
-        return Dataset(make_iter, self._batch_size if batched else None, self._drop_remainder,
-                       self._options)
+    @property
+    def _batch_size(self) -> Optional[int]:
+        return self._node.batch_size
+
+    @property
+    def _drop_remainder(self) -> bool:
+        return self._node.drop_remainder
+
+    def _wrap(self, node: ops.Node) -> "Dataset":
+        return Dataset(node=node, options=self._options)
 
     # -- sources -------------------------------------------------------------
     @staticmethod
     def range(*args, dtype=np.int64) -> "Dataset":
         """Like Python's ``range``: ``range(stop)``, ``range(start, stop[, step])``."""
         bounds = range(*args)
-        return Dataset(lambda: (np.asarray(i, dtype=dtype) for i in bounds))
+        start, step, dtype = bounds.start, bounds.step, np.dtype(dtype)
+        return Dataset(node=ops.Source(len(bounds), lambda idx: (start + idx * step).astype(dtype),
+                                       "range"))
 
     @staticmethod
     def from_tensor_slices(tensors: Any) -> "Dataset":
@@ -67,112 +97,141 @@ class Dataset:
         if len(rows) != 1 or None in rows:
             raise ValueError(f"from_tensor_slices: components need the same number of rows, "
                              f"got shapes {[a.shape for a in arrays]}")
-        count = rows.pop()
-        return Dataset(lambda: (nest.pack_sequence_as(tensors, [a[i] for a in arrays])
-                                for i in range(count)))
+        return Dataset(node=ops.Source(rows.pop(), lambda idx: nest.pack_sequence_as(
+            tensors, [a[idx] for a in arrays]), "from_tensor_slices"))
 
     @staticmethod
     def zip(datasets: Any) -> "Dataset":
         """Elements of several datasets side by side (stops at the shortest)."""
         parts = nest.flatten(datasets)
-        return Dataset(lambda: (nest.pack_sequence_as(datasets, list(items))
-                                for items in zip(*parts)))
+        return Dataset(node=ops.Zip(datasets, [d._node for d in parts]))
 
     # -- transformations -----------------------------------------------------
     def batch(self, batch_size: int, drop_remainder: bool = False) -> "Dataset":
         """Stack ``batch_size`` consecutive elements; the last batch may be short."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
-
-        def batches():
-            iterator = iter(self)
-            while True:
-                chunk = list(itertools.islice(iterator, batch_size))
-                if not chunk or (drop_remainder and len(chunk) < batch_size):
-                    return
-                yield nest.map_structure(lambda *rows: np.stack(rows), *chunk)
-
-        return Dataset(batches, batch_size, drop_remainder, self._options)
+        return self._wrap(ops.Batch(self._node, batch_size, drop_remainder))
 
     def unbatch(self) -> "Dataset":
         """Split each batch back into its rows."""
-        def rows():
-            for element in self:
-                leaves = nest.flatten(element)
-                for i in range(len(leaves[0]) if leaves else 0):
-                    yield nest.pack_sequence_as(element, [leaf[i] for leaf in leaves])
-        return self._derive(rows, batched=False)
+        return self._wrap(ops.Unbatch(self._node))
 
-    def map(self, map_func: Callable) -> "Dataset":
-        """Apply ``map_func`` to each element (tuples are unpacked into arguments)."""
-        return self._derive(lambda: (_apply(map_func, e) for e in self))
+    def map(self, map_func: Callable, num_parallel_calls: Optional[int] = None,
+            deterministic: Optional[bool] = None, vectorized: bool = False) -> "Dataset":
+        """Apply ``map_func`` to each element (tuples are unpacked into arguments).
+
+        ``num_parallel_calls`` (a count or ``AUTOTUNE``) runs it on that many
+        threads; the order stays deterministic. ``vectorized=True`` (ours) says
+        that ``map_func`` takes *stacked* rows and treats each row on its own:
+        before ``batch`` it is called once per group of rows instead of once
+        per row; after ``batch`` (TensorFlow's ``batch().map()`` order) it lets
+        a rank map only its own rows of each global batch.
+        """
+        return self._wrap(ops.Map(self._node, map_func, bool(vectorized),
+                                  workers_for(num_parallel_calls)))
 
     def filter(self, predicate: Callable) -> "Dataset":
         """Keep the elements for which ``predicate`` is true."""
-        return self._derive(lambda: (e for e in self if bool(_apply(predicate, e))))
+        return self._wrap(ops.Filter(self._node, predicate))
 
     def shuffle(self, buffer_size: int, seed: Optional[int] = None,
                 reshuffle_each_iteration: bool = True) -> "Dataset":
-        """Shuffle through a buffer of ``buffer_size`` elements (deterministic for a seed)."""
-        epoch = [0]
+        """Shuffle through a buffer of ``buffer_size`` elements (TensorFlow's rule).
 
-        def shuffled():
-            rng = np.random.default_rng(None if seed is None else
-                                        (seed, epoch[0] if reshuffle_each_iteration else 0))
-            epoch[0] += 1
-            buffer = []
-            for element in self:
-                buffer.append(element)
-                if len(buffer) >= buffer_size:
-                    yield buffer.pop(int(rng.integers(len(buffer))))
-            while buffer:
-                yield buffer.pop(int(rng.integers(len(buffer))))
-        return self._derive(shuffled)
+        Deterministic for a seed; without one, the ranks of a distributed dataset
+        agree on one. A new order each iteration unless ``reshuffle_each_iteration=False``.
+        """
+        return self._wrap(shuffles.Shuffle(self._node, buffer_size, seed, reshuffle_each_iteration))
+
+    def global_shuffle(self, seed: Optional[int] = None,
+                       reshuffle_each_iteration: bool = True) -> "Dataset":
+        """A uniform shuffle of the whole dataset, needing random access (TensorFlow 2.17's).
+
+        Element ``p`` is the input's element ``perm(p)`` for a keyed permutation of the
+        indices, computed on demand: nothing is materialised, every rank computes the
+        same order, whatever the number of ranks, and any position is found at once.
+        """
+        reason = self._node.blocker()
+        if reason:
+            raise ValueError(f"global_shuffle needs random access to its input, but the "
+                             f"pipeline has {reason}; move global_shuffle before it, or use "
+                             f"shuffle(buffer_size)")
+        if self._node.cardinality() < 0:
+            raise ValueError("global_shuffle needs a finite dataset (repeat after it, not "
+                             "before)")
+        return self._wrap(shuffles.GlobalShuffle(self._node, seed, reshuffle_each_iteration))
 
     def repeat(self, count: Optional[int] = None) -> "Dataset":
         """Repeat the dataset ``count`` times (forever for ``None``)."""
-        def repeated():
-            for _ in (itertools.count() if count is None or count < 0 else range(count)):
-                yield from self
-        return self._derive(repeated)
+        return self._wrap(ops.Repeat(self._node, count))
 
     def take(self, count: int) -> "Dataset":
-        """The first ``count`` elements."""
-        return self._derive(lambda: itertools.islice(self, max(count, 0)))
+        """The first ``count`` elements (all for a negative count, as in tf.data)."""
+        count = int(count)
+        return self._wrap(ops.IndexSlice(self._node, 0, None if count < 0 else count, 1, "take"))
 
     def skip(self, count: int) -> "Dataset":
         """All but the first ``count`` elements."""
-        return self._derive(lambda: itertools.islice(self, max(count, 0), None))
+        return self._wrap(ops.IndexSlice(self._node, max(int(count), 0), None, 1, "skip"))
 
     def shard(self, num_shards: int, index: int) -> "Dataset":
         """Every ``num_shards``-th element, starting at ``index``."""
         if not 0 <= index < num_shards:
             raise ValueError(f"shard index {index} is outside [0, {num_shards})")
-        return self._derive(lambda: itertools.islice(self, index, None, num_shards))
+        return self._wrap(ops.IndexSlice(self._node, int(index), None, int(num_shards), "shard"))
 
     def enumerate(self, start: int = 0) -> "Dataset":
         """Pairs ``(index, element)``."""
-        return self._derive(lambda: ((np.int64(i), e) for i, e in enumerate(self, start)))
+        return self._wrap(ops.Enumerate(self._node, start))
 
     def prefetch(self, buffer_size: int = 1) -> "Dataset":
-        """Produce up to ``buffer_size`` elements ahead in a background thread."""
-        return self._derive(lambda: _prefetched(self, max(int(buffer_size), 1)))
+        """Produce up to ``buffer_size`` elements ahead in a background thread
+        (``AUTOTUNE``: 2)."""
+        depth = 2 if buffer_size is None or buffer_size < 0 else max(int(buffer_size), 1)
+        return self._wrap(ops.Prefetch(self._node, depth))
 
     def with_options(self, options: Options) -> "Dataset":
         """The same dataset carrying ``options`` (auto-shard policy and friends)."""
-        return Dataset(self._make_iter, self._batch_size, self._drop_remainder, options)
+        return Dataset(node=self._node, options=options)
 
     def options(self) -> Options:
         return self._options
 
+    # -- inspection ----------------------------------------------------------
+    def cardinality(self) -> int:
+        """The number of elements, ``INFINITE_CARDINALITY`` or ``UNKNOWN_CARDINALITY``."""
+        return self._node.cardinality()
+
+    def __len__(self) -> int:
+        n = self.cardinality()
+        if n < 0:
+            raise TypeError("the dataset's length is " + ("infinite" if n == ops.INFINITE
+                                                          else "unknown"))
+        return n
+
+    def as_numpy_iterator(self) -> Iterator[Any]:
+        """The elements as NumPy values (0-d arrays become NumPy scalars), as tf.data's."""
+        return (nest.map_structure(_to_numpy, e) for e in self)
+
     @property
     def element_spec(self) -> Any:
-        """``TensorSpec`` per component, read from the first element (batch dims vary)."""
-        first = next(iter(self))
+        """``TensorSpec`` per component, read from the first element (batch dims vary).
+
+        Reading it does not start an epoch (the shuffles' next order is unchanged)."""
+        first = next(iter(self._node.elements(ops.Iteration((0,)))))
         vary = self._batch_size is not None and not self._drop_remainder
         return nest.map_structure(
             lambda x: TensorSpec(((None,) + np.shape(x)[1:]) if vary and np.ndim(x) else
-                                 np.shape(x), np.asarray(x).dtype), first)
+                                 np.shape(x), _dtype_of(x)), first)
+
+
+def _dtype_of(x) -> np.dtype:
+    dtype = getattr(x, "dtype", None)
+    return np.dtype(dtype) if dtype is not None else np.asarray(x).dtype
+
+
+def _to_numpy(x):
+    array = np.asarray(x)
+    return array[()] if array.ndim == 0 else array
 
 
 def _lists_to_arrays(structure: Any) -> Any:
@@ -182,43 +241,3 @@ def _lists_to_arrays(structure: Any) -> Any:
         items = [_lists_to_arrays(v) for v in structure]
         return type(structure)(*items) if hasattr(structure, "_fields") else tuple(items)
     return np.asarray(structure)
-
-
-def _apply(fn: Callable, element: Any) -> Any:
-    return fn(*element) if isinstance(element, tuple) else fn(element)
-
-
-_DONE = object()
-
-
-def _prefetched(dataset: Dataset, depth: int) -> Iterator[Any]:
-    buffer: "queue.Queue" = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def produce():
-        try:
-            for element in dataset:
-                while not stop.is_set():
-                    try:
-                        buffer.put(element, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            buffer.put(_DONE)
-        except BaseException as err:  # noqa: BLE001 - re-raised in the consumer
-            buffer.put(err)
-
-    thread = threading.Thread(target=produce, daemon=True, name="mpistrat-prefetch")
-    thread.start()
-    try:
-        while True:
-            item = buffer.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()

@@ -1,142 +1,185 @@
-"""Datasets distributed over the replicas: rebatching, auto-sharding, lockstep ends.
+"""Datasets distributed over the replicas: rebatching, auto-sharding, lockstep, positions.
 
 ``distribute_dataset(strategy, dataset)`` follows TensorFlow's
-``MultiWorkerMirroredStrategy`` with one replica per worker (DESIGN.md section 2):
+``MultiWorkerMirroredStrategy`` with one replica per worker (DESIGN.md section 2);
+``layouts.py`` says which rows each rank yields per policy:
 
-* ``DATA`` (and ``AUTO`` for in-memory sources): every rank walks the global
-  batches and keeps its rebatch slice (``rebatch_slices``); for a file reader
-  followed by ``.batch`` a rank reads only the rows it keeps.
-* ``FILE`` (and ``AUTO`` for a reader with at least as many files as ranks):
-  rank r reads files r, r+N, ... and cuts its stream into batches of
-  ``ceil(G / N)`` rows.
-* ``OFF``: no sharding; every rank yields all N slices of every global batch,
-  one per step, so data is duplicated across ranks as in TensorFlow.
+* ``DATA`` (and ``AUTO`` unless the dataset is a reader batched with at least as
+  many files as ranks): the rebatch slice of every global batch. Over a
+  random-access pipeline a rank computes which records its rows are, reads
+  only those and maps only those; otherwise it walks the global batches.
+* ``FILE``: rank r reads files r, r+N, ... in batches of ``ceil(G / N)`` rows.
+* ``OFF``: every slice of every global batch on every rank.
 
-Every step, the ranks agree with a MAX all-reduce whether any of them still
-has data: all ranks stop on the same step, and a rank that ran dry meanwhile
-yields 0-row batches of the right dtype and inner shape (as TensorFlow does),
-so no rank's data is dropped and none waits alone.
-Iterating yields ``PerReplica`` values for ``strategy.run``.
+When the dataset is distributed the ranks agree (collectively, within the
+collective timeout) on what they read and on one seed: every file's size and
+modification time (a rank that sees another copy raises on every rank, naming
+it), and the seed of every unseeded shuffle, so no row is duplicated or lost.
 
-With several replicas per rank (``TPUStrategy``: one per JAX device) the rank
-is the unit of sharding above and its batch is cut into equal per-device
-pieces. Such strategies need static shapes, as TPUs do: batches must come
-from ``.batch(G, drop_remainder=True)`` with ``G`` divisible by
-``num_replicas_in_sync`` (a clear ``ValueError`` otherwise), and the ranks
-stop together on the first step where any rank has no full batch left.
-There, as in TensorFlow, batches are fetched to the devices ahead of the step
-(``InputOptions.experimental_fetch_to_device``, default on): a thread keeps
-``experimental_per_replica_buffer_size`` batches (default: 1 on accelerators,
-none on CPU devices) laid out on the devices, and ``run`` uses them as they are.
+Every step the ranks agree with one small all-reduce whether any of them
+still has data and whether one failed to read: all ranks stop on the same
+step, a read failure raises on every rank, and a rank that ran dry meanwhile
+yields 0-row batches of the right dtype and inner shape (as TensorFlow does).
 
-On GPU replicas (``MirroredStrategy`` and ``MultiWorkerMirroredStrategy``
-bound to a GPU, CuPy installed) batches are fetched to the GPU the same way:
-a thread copies the next batch (``experimental_per_replica_buffer_size``,
-default 1) into CuPy arrays on a stream of its own while the current step
-runs; ``experimental_fetch_to_device=False`` keeps them NumPy.
+*Positions.* An iterator's position is (epoch, step, seed); ``ms.Checkpoint``
+saves it. A restore into any iterator of the same dataset continues the exact
+sequence of global batches an uninterrupted run would have seen: at any width
+under ``DATA`` (OFF: at a global batch boundary; FILE and
+``distribute_datasets_from_function``: at the same width, else a ``ValueError``
+naming the policy). Random-access pipelines seek (the cost does not depend on
+the position); others replay the steps before it, with a warning.
+
+With several replicas per rank (``TPUStrategy``: one per JAX device) the rank is
+the unit of sharding and its batch is cut into equal per-device pieces; static
+shapes are required (``.batch(G, drop_remainder=True)``, ``G`` divisible by
+``num_replicas_in_sync``) and the ranks stop on the first step where any rank
+has no full batch. Batches are fetched to the devices (TPU devices, or this
+rank's GPU with CuPy) ahead of the step on a thread
+(``InputOptions.experimental_fetch_to_device``, ``experimental_per_replica_buffer_size``).
 """
 
-from typing import Any, Callable, Iterator
+import pickle
+import secrets
+import warnings
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from mpistrat import nest
 from mpistrat.collectives import ReduceOp
-from mpistrat.collectives.agreement import Failure, agree_errors
-from mpistrat.data.dataset import Dataset, _prefetched
+from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+from mpistrat.data import layouts, ops, shuffles
+from mpistrat.data.dataset import Dataset, TensorSpec
+from mpistrat.data.experimental import Optional as OptionalValue
 from mpistrat.data.options import AutoShardPolicy
-from mpistrat.data.readers import BatchedRecords
-from mpistrat.data.rebatch import rebatch_slices
+from mpistrat.data.permutation import derive_key
+from mpistrat.data.staging import empty_like, gpu_of, regroup, spec_of, staged, to_gpu, Prepared
+from mpistrat.data.threads import prefetched
 from mpistrat.distribute.context import InputContext
 from mpistrat.distribute.options import InputOptions
 from mpistrat.distribute.strategy import register_input_distribution
-from mpistrat.distribute.values import PerReplica
+from mpistrat.errors import InvalidArgumentError
 from mpistrat.runtime import timeline
 
-__all__ = ["DistributedDataset", "DistributedIterator", "distribute_dataset", "distribute_datasets_from_function"]
+__all__ = ["DistributedDataset", "DistributedIterator", "distribute_dataset",
+           "distribute_datasets_from_function"]
 
-
-def _rows(batch: Any) -> int:
-    leaves = nest.flatten(batch)
-    return int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 0
-
-
-def _slice(batch: Any, start: int, stop: int) -> Any:
-    return nest.map_structure(lambda leaf: np.asarray(leaf)[start:stop], batch)
+POLICY_CODES = {"OFF": -1, "DATA": 2, "FILE": 1, "FUNCTION": 10}
+_END = object()
 
 
 class DistributedDataset:
-    """Iterable of ``PerReplica`` batches, in lockstep over all ranks."""
+    """Iterable of ``PerReplica`` batches, in lockstep over all ranks; each ``iter()`` is
+    the next epoch."""
 
-    def __init__(self, strategy, make_local: Callable[[], Iterator[Any]], options=None):
-        self._strategy = strategy
-        self._make_local = make_local  # yields tuples: one component per local replica
-        self._options = options
+    def __init__(self, strategy, layout, options=None, seed: int = 0, spec_source=None):
+        self._strategy, self._layout, self._options = strategy, layout, options
+        self._seed = seed          # agreed by the ranks: seeds every unseeded shuffle
+        self._epochs = 0
+        self._spec_source = spec_source
 
     def __iter__(self) -> "DistributedIterator":
-        return DistributedIterator(self._strategy, self._make_local, self._options)
+        epoch, self._epochs = self._epochs, self._epochs + 1
+        return DistributedIterator(self, epoch)
+
+    @property
+    def element_spec(self) -> Any:
+        """The ``TensorSpec`` of one replica's batch (batch dimension ``None`` unless static)."""
+        spec = self._spec_source.element_spec
+        extended = self._strategy.extended
+        if extended.experimental_require_static_shapes and self._spec_source._batch_size:
+            rows = self._spec_source._batch_size // self._strategy.num_replicas_in_sync
+            return _with_rows(spec, rows)
+        return spec
+
+
+def _with_rows(spec, rows):
+    from mpistrat import nest
+    return nest.map_structure(lambda s: TensorSpec((rows,) + tuple(s.shape[1:]), s.dtype), spec)
 
 
 class DistributedIterator:
-    """Yields ``PerReplica`` batches in lockstep; its position can be checkpointed.
+    """Yields ``PerReplica`` batches in lockstep; ``ms.Checkpoint(iterator=it)`` saves its
+    position (see the module docstring)."""
 
-    ``ms.Checkpoint(iterator=it)`` saves the number of steps taken; restoring
-    it into a fresh iterator of the same dataset (same seeds) replays that many
-    steps, so a resumed job neither repeats nor skips an element. Replaying
-    reads the data again: the cost grows with the position.
-    """
-
-    def __init__(self, strategy, make_local: Callable[[], Iterator[Any]], options=None):
+    def __init__(self, dataset: DistributedDataset, epoch: int):
+        strategy = dataset._strategy
+        self._dataset, self._layout = dataset, dataset._layout
         self._engine = strategy.extended.engine
         self._replica_ids = strategy.extended.local_replica_ids
+        self._pieces = len(self._replica_ids)
         self._static = strategy.extended.experimental_require_static_shapes
-        self._local = iter(make_local())
-        stage = getattr(strategy.extended, "stage_per_replica", None)
-        options = options or InputOptions()
-        self._gpu = _gpu_of(strategy) if options.experimental_fetch_to_device is not False \
-            and stage is None else None
+        self._stage = getattr(strategy.extended, "stage_per_replica", None)
+        self._default_depth = getattr(strategy.extended, "default_prefetch_depth", 0)
+        self._options = dataset._options or InputOptions()
+        self._gpu = gpu_of(strategy) if self._options.experimental_fetch_to_device is not False \
+            and self._stage is None else None
+        self._epoch, self._seed = epoch, dataset._seed
+        self._steps = 0
+        self._local = None          # opened at the first step (a restore may move it first)
+        self._template = None       # the last batch seen: the model for 0-row batches
+
+    # -- the stream of this rank's steps ---------------------------------------------------
+    def _iteration(self) -> ops.Iteration:
+        return ops.Iteration((self._epoch,), seeds_for(self._layout, self._seed))
+
+    def _open(self) -> Iterator:
+        local = self._layout.local_steps(self._iteration(), self._steps)
+        if not isinstance(self._layout, layouts.FunctionLayout):
+            local = (x if x is layouts.NO_LAYOUT else layouts.split_pieces(x, self._pieces)
+                     for x in local)
+        depth = getattr(self._layout, "depth", 0)
+        if depth and self._layout.random_access:   # reads and maps overlap the step
+            local = prefetched(local, depth)
+        options = self._options
         if self._gpu is not None:  # GPU replicas: copy the next batch while this step runs
             depth = options.experimental_per_replica_buffer_size
-            moved = _to_gpu(self._local, self._gpu)
-            self._local = iter(_prefetched(moved, 1 if depth is None else depth)
-                               if depth != 0 else moved)
-        if stage is not None and options.experimental_fetch_to_device is not False:
-            # batches go to the devices ahead of the step, in a thread when a depth is given
+            moved = to_gpu(local, self._gpu)
+            local = prefetched(moved, 1 if depth is None else depth) if depth != 0 else moved
+        if self._stage is not None and options.experimental_fetch_to_device is not False:
             depth = options.experimental_per_replica_buffer_size
-            if depth is None:
-                depth = strategy.extended.default_prefetch_depth
-            staged = _staged(self._local, stage)
-            self._local = iter(_prefetched(staged, depth) if depth > 0 else staged)
-        self._template = None  # the last batch seen: the model for 0-row batches
-        self._steps = 0
-        self._replay = 0
+            depth = self._default_depth if depth is None else depth
+            local = staged(local, self._stage)
+            local = prefetched(local, depth) if depth > 0 else local
+        return iter(local)
+
+    def _close(self) -> None:
+        if self._local is not None and hasattr(self._local, "close"):
+            self._local.close()
+        self._local = None
 
     def __iter__(self) -> "DistributedIterator":
         return self
 
-    def __next__(self) -> PerReplica:
-        while self._replay:
-            self._replay -= 1
-            self._advance()
-        return self._advance()
-
-    def get_next(self) -> PerReplica:
-        return next(self)
-
-    def _next_local(self):
-        """This rank's next element (or ``_END``) and its failure, if reading it failed."""
-        try:
-            return next(self._local, _END), None
-        except Exception as err:  # noqa: BLE001 - agreed with the other ranks, then raised
-            return _END, Failure(err, self._engine.rank, "reading its input")
-
-    def _advance(self) -> PerReplica:
+    def __next__(self) -> Any:
         if timeline.ON:
             with timeline.span("dataset step", "data", step=self._steps):
                 return self._step()
         return self._step()
 
-    def _step(self) -> PerReplica:
+    def get_next(self) -> Any:
+        return next(self)
+
+    def get_next_as_optional(self) -> OptionalValue:
+        """The next batch as an ``Optional``: empty on every rank at the same step at the end."""
+        try:
+            return OptionalValue.from_value(next(self))
+        except StopIteration:
+            return OptionalValue.empty(self.element_spec)
+
+    @property
+    def element_spec(self) -> Any:
+        return self._dataset.element_spec
+
+    def _next_local(self):
+        """This rank's next step (or ``_END``) and its failure, if reading it failed."""
+        try:
+            if self._local is None:
+                self._local = self._open()
+            return next(self._local, _END), None
+        except Exception as err:  # noqa: BLE001 - agreed with the other ranks, then raised
+            return _END, Failure(err, self._engine.rank, "reading its input")
+
+    def _step(self) -> Any:
         element, failure = self._next_local()
         if self._static:  # full batches only: stop when any rank has none left
             # ranks without a batch and ranks that failed, counted by a float SUM: it
@@ -148,11 +191,12 @@ class DistributedIterator:
             if flags[0]:
                 raise StopIteration
             self._steps += 1
-            return _regroup(*element, self._replica_ids) if isinstance(element, _Prepared) \
-                else _regroup(element, None, self._replica_ids)
-        if element is not _END:
+            return regroup(*element, self._replica_ids) if isinstance(element, Prepared) \
+                else regroup(element, None, self._replica_ids)
+        blank = element is _END or element is layouts.NO_LAYOUT
+        if not blank and not isinstance(element, Prepared):
             self._template = element
-        needs = element is _END and self._template is None
+        needs = blank and self._template is None
         flags = self._engine.all_reduce(  # counts of ranks with data / needing the layout /
             np.array([element is not _END, needs, failure is not None],  # failing to read
                      dtype=np.float64), ReduceOp.SUM)
@@ -161,96 +205,95 @@ class DistributedIterator:
         if not flags[0]:
             raise StopIteration  # no rank has data left: everyone stops on this step
         if flags[1]:  # a rank that never had data learns the batch layout from one that did
-            specs = self._engine.comm.allgather(
-                None if self._template is None else _spec(self._template))
+            spec = share_layout(self._engine, None if self._template is None
+                                else spec_of(self._template))
             if self._template is None:
-                self._template = _from_spec(next(x for x in specs if x is not None))
-        if element is _END:  # others still have data: a 0-row batch, as in TensorFlow
-            element = _from_spec(_spec(self._template))
+                self._template = empty_like(spec)
+        if blank:  # others still have data: a 0-row batch, as in TensorFlow
+            element = empty_like(spec_of(self._template))
             if self._gpu is not None:
-                element = next(_to_gpu(iter([element]), self._gpu))
+                element = next(to_gpu(iter([element]), self._gpu))
         self._steps += 1
-        return _regroup(element, None, self._replica_ids)
+        if isinstance(element, Prepared):
+            return regroup(*element, self._replica_ids)
+        return regroup(element, None, self._replica_ids)
 
-    # the checkpoint state protocol
+    # -- the checkpoint state protocol -------------------------------------------------------
     def _serialize_to_tensors(self):
-        return {"steps": np.array(self._steps + self._replay, dtype=np.int64)}
+        return {"epoch": np.array(self._epoch, np.int64), "steps": np.array(self._steps, np.int64),
+                "seed": np.array(self._seed, np.int64),
+                "replicas": np.array(self._engine.size, np.int64),
+                "policy": np.array(POLICY_CODES[self._layout.policy], np.int64)}
 
     def _restore_from_tensors(self, tensors):
-        target = int(tensors["steps"])
-        if target < self._steps:
-            raise ValueError(f"cannot restore a dataset iterator at step {target} into one "
-                             f"already at step {self._steps}: restore into a fresh iterator")
-        self._replay = target - self._steps
+        steps = int(tensors["steps"])
+        if "epoch" in tensors:        # (older checkpoints hold the step count alone)
+            saved = {code: name for name, code in POLICY_CODES.items()}.get(
+                int(tensors["policy"]), str(int(tensors["policy"])))
+            ranks = int(tensors["replicas"])
+            if saved != self._layout.policy:
+                raise ValueError(
+                    f"this iterator was saved under {_policy_text(saved)} at {ranks} ranks, but "
+                    f"at {self._engine.size} ranks the dataset is sharded by "
+                    f"{_policy_text(self._layout.policy)}: its position does not carry over; "
+                    f"set options.experimental_distribute.auto_shard_policy explicitly")
+            steps = layouts.resume_step(saved, steps, ranks, self._engine.size)
+            self._epoch, self._seed = int(tensors["epoch"]), int(tensors["seed"])
+            self._dataset._epochs = self._epoch + 1
+            self._dataset._seed = self._seed
+        self._close()
+        self._steps, self._template = steps, None
+        if steps and not self._layout.random_access and self._engine.rank == 0:
+            warnings.warn(f"the restored dataset iterator replays {steps} steps: its pipeline "
+                          f"has no random access ({_blocker_of(self._layout)}), so its position "
+                          f"is found by reading again; a random-access pipeline (see "
+                          f"ms.data.Dataset) seeks directly", stacklevel=2)
 
 
-class _Prepared(tuple):
-    """``(components, device arrays per leaf)`` made by the prefetch thread."""
+def _policy_text(policy: str) -> str:
+    return "distribute_datasets_from_function" if policy == "FUNCTION" else \
+        f"AutoShardPolicy.{policy}"
 
 
-def _staged(local: Iterator[tuple], stage: Callable) -> Iterator[_Prepared]:
-    for components in local:
-        columns = zip(*[nest.flatten(c) for c in components])
-        yield _Prepared((components, [stage(parts) for parts in columns]))
+def _blocker_of(layout) -> str:
+    node = getattr(layout, "node", None) or getattr(getattr(layout, "dataset", None), "_node",
+                                                     None)
+    return (node.blocker() if node is not None else None) or "per-rank datasets"
 
 
-def _regroup(components: tuple, device_arrays, replica_ids) -> Any:
-    """One component per local replica -> the batch's structure with ``PerReplica`` leaves
-    (a ``(features, labels)`` batch unpacks into two ``PerReplica``, as in TensorFlow)."""
-    columns = list(zip(*[nest.flatten(c) for c in components]))
-    values = [PerReplica(parts, replica_ids) for parts in columns]
-    for value, array in zip(values, device_arrays or ()):
-        value._device_array = array
-    if not isinstance(components[0], (dict, list, tuple)):
-        return values[0]
-    return nest.pack_sequence_as(components[0], values)
+def seeds_for(layout, base: int) -> dict:
+    """A seed for each unseeded shuffle of the pipeline, derived from the agreed ``base``."""
+    node = getattr(layout, "node", None) or getattr(getattr(layout, "dataset", None), "_node",
+                                                     None)
+    if node is None:
+        return {}
+    randoms = [n for n in ops.walk(node) if isinstance(n, shuffles.Random) and n.seed is None]
+    return {id(n): derive_key(base, (k,)) for k, n in enumerate(randoms)}
 
 
-class _Spec:
-    """The inner shape and dtype of one component (a leaf for ``nest``; picklable)."""
-
-    def __init__(self, x):
-        dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype  # CuPy: no host copy
-        self.inner, self.dtype = tuple(np.shape(x)[1:]), np.dtype(dtype).str
-
-    def empty(self) -> np.ndarray:
-        return np.empty((0,) + tuple(self.inner), np.dtype(self.dtype))
-
-
-def _spec(components):
-    return tuple(nest.map_structure(_Spec, c) for c in components)
+def share_layout(engine, spec) -> Any:
+    """The batch layout of the lowest rank that has one, for every rank (timed collectives)."""
+    candidate = engine.rank if spec is not None else engine.size
+    donor = -int(engine.all_reduce(np.array([-candidate], np.int64), "MAX")[0])
+    blob = pickle.dumps(spec) if engine.rank == donor else b""
+    length = int(engine.broadcast(np.array([len(blob)], np.int64), root=donor)[0])
+    data = np.frombuffer(blob, np.uint8).copy() if engine.rank == donor else \
+        np.empty(length, np.uint8)
+    return pickle.loads(engine.broadcast(data, root=donor).tobytes())  # our own ranks' bytes
 
 
-def _from_spec(spec):
-    return tuple(nest.map_structure(lambda s: s.empty(), c) for c in spec)
-
-
-_END = object()
-
-
-def _gpu_of(strategy):
-    """The GPU ordinal of this rank's replica when batches should go there, else ``None``."""
-    devices = strategy.extended.worker_devices
-    if not devices or "GPU:" not in devices[0]:
-        return None
-    from mpistrat.runtime.devices import cupy_available
-    if not cupy_available():
-        return None
-    return int(devices[0].rsplit("GPU:", 1)[1])
-
-
-def _to_gpu(local: Iterator[tuple], device: int) -> Iterator[tuple]:
-    """Each component's leaves as CuPy arrays on ``device``, copied on a stream of its own
-    (this runs in the prefetch thread; the stream is synchronised before the batch is handed
-    over, so the step sees complete data)."""
-    import cupy
-    with cupy.cuda.Device(device):
-        stream = cupy.cuda.Stream(non_blocking=True)
-        for components in local:
-            with stream:
-                moved = tuple(nest.map_structure(cupy.asarray, c) for c in components)
-            stream.synchronize()
-            yield moved
+def _agree(strategy, node: ops.Node) -> int:
+    """The ranks agree on the files (sizes and modification times) and on one seed."""
+    engine = strategy.extended.engine
+    views = [reader.views for reader in layouts.readers_in(node)]
+    if views:
+        agree_view(engine, views, "the files of a distributed dataset (path, size, "
+                                  "modification time)", error=InvalidArgumentError,
+                   hint="every rank must read the same files: put them on a file system that "
+                        "every rank shares, or give node-local copies the same size and "
+                        "modification time (cp -p, rsync -t)")
+    drawn = np.array([secrets.randbits(62)], np.int64)
+    return int(engine.broadcast(drawn, root=0)[0])
 
 
 def distribute_dataset(strategy, dataset: Dataset, options=None) -> DistributedDataset:
@@ -262,39 +305,30 @@ def distribute_dataset(strategy, dataset: Dataset, options=None) -> DistributedD
         raise ValueError("experimental_distribute_dataset needs a batched dataset: call "
                          ".batch(global_batch_size) before distributing it")
     policy = dataset.options().experimental_distribute.auto_shard_policy
-    replicas, replica = strategy.extended.engine.size, strategy.extended.engine.rank  # ranks
-    pieces = len(strategy.extended.local_replica_ids)
+    ranks, rank = strategy.extended.engine.size, strategy.extended.engine.rank
     if strategy.extended.experimental_require_static_shapes:
         _check_static(dataset, strategy.num_replicas_in_sync)
-    files = dataset.source.files if isinstance(dataset, BatchedRecords) else None
-    if policy is AutoShardPolicy.AUTO and files is not None and len(files) >= replicas:
+    node = dataset._node
+    reader, batch = layouts.file_reader_batch(node)
+    if policy is AutoShardPolicy.AUTO and reader is not None and len(reader.files) >= ranks:
         policy = AutoShardPolicy.FILE
     if files is not None and hasattr(dataset.source, "prepare_shards"):  # TFRecord indexes
         dataset.source.prepare_shards(strategy.extended.engine, policy)
     if policy is AutoShardPolicy.FILE:
-        if files is None:
+        if reader is None:
             raise ValueError("AutoShardPolicy.FILE needs a file-based dataset (a reader "
                              "followed by .batch); this one is built in memory: use DATA or AUTO")
-        if len(files) < replicas:
+        if len(reader.files) < ranks:
             raise ValueError(f"AutoShardPolicy.FILE deals files to ranks, but there are "
-                             f"{len(files)} files for {replicas} ranks: use fewer ranks, more "
+                             f"{len(reader.files)} files for {ranks} ranks: use fewer ranks, more "
                              f"files, or AutoShardPolicy.DATA")
-        return _distributed(strategy, pieces, lambda: _file_shard(dataset, replicas, replica),
-                            options)
-    if files is not None and policy is not AutoShardPolicy.OFF:
-        return _distributed(strategy, pieces,
-                            lambda: _data_shard_reads(dataset, replicas, replica), options)
-
-    def local_batches():
-        for batch in dataset:
-            slices = rebatch_slices(_rows(batch), replicas)
-            if policy is AutoShardPolicy.OFF:
-                for start, stop in slices:   # every replica step of the global batch
-                    yield _slice(batch, start, stop)
-            else:                            # DATA / AUTO: this replica's slice
-                yield _slice(batch, *slices[replica])
-
-    return _distributed(strategy, pieces, local_batches, options)
+        layout = layouts.FileLayout(reader, batch.batch_size, batch.drop_remainder, ranks, rank)
+    elif policy is AutoShardPolicy.OFF:
+        layout = layouts.OffLayout(node, ranks, rank)
+    else:
+        layout = layouts.DataLayout(node, ranks, rank)
+    layout.depth = layouts.prefetch_depth(node)
+    return DistributedDataset(strategy, layout, options, _agree(strategy, node), dataset)
 
 
 def _check_static(dataset: Dataset, replicas: int) -> None:
@@ -309,47 +343,6 @@ def _check_static(dataset: Dataset, replicas: int) -> None:
             f"num_replicas_in_sync ({replicas}); static shapes need equal per-replica batches")
 
 
-def _distributed(strategy, pieces: int, make_batches, options) -> DistributedDataset:
-    """Cut each rank batch into ``pieces`` equal per-replica components."""
-    if pieces == 1:
-        return DistributedDataset(strategy, lambda: ((b,) for b in make_batches()), options)
-
-    def split():
-        for batch in make_batches():
-            rows = _rows(batch) // pieces
-            yield tuple(_slice(batch, i * rows, (i + 1) * rows) for i in range(pieces))
-
-    return DistributedDataset(strategy, split, options)
-
-
-def _data_shard_reads(dataset: BatchedRecords, replicas: int, replica: int):
-    """DATA sharding of a reader: read only this replica's rows of every global batch."""
-    for start, stop in dataset.batch_bounds():
-        a, b = rebatch_slices(stop - start, replicas)[replica]
-        yield dataset.source.read_rows(start + a, start + b)
-
-
-def _file_shard(dataset: BatchedRecords, replicas: int, replica: int):
-    """FILE sharding: files replica, replica + N, ... cut into batches of ceil(G / N) rows."""
-    source = dataset.source
-    per_replica = -(-dataset._batch_size // replicas)
-    mine = list(range(replica, len(source.files), replicas))
-    pending = []
-    held = 0
-    for index in mine:
-        for first in range(0, source.counts[index], per_replica):
-            block = source.read_file_rows(index, first, min(first + per_replica,
-                                                            source.counts[index]))
-            pending.append(block)
-            held += len(block)
-            while held >= per_replica:
-                joined = np.concatenate(pending)
-                yield joined[:per_replica]
-                pending, held = [joined[per_replica:]], held - per_replica
-    if held and not dataset._drop_remainder:
-        yield np.concatenate(pending)
-
-
 def distribute_datasets_from_function(strategy, dataset_fn: Callable, options=None):
     """``strategy.distribute_datasets_from_function``: ``dataset_fn(InputContext)`` per rank."""
     engine = strategy.extended.engine
@@ -362,16 +355,12 @@ def distribute_datasets_from_function(strategy, dataset_fn: Callable, options=No
         raise ValueError(
             "this strategy needs static shapes (as TPUs do), but the dataset_fn's dataset can "
             "end with a short batch: use .batch(per_replica_batch_size, drop_remainder=True)")
-
-    def groups():  # each local replica takes one element per step; a partial group ends it
-        iterator = iter(dataset)
-        while True:
-            group = tuple(next(iterator, _END) for _ in range(pieces))
-            if any(x is _END for x in group):
-                return
-            yield group
-
-    return DistributedDataset(strategy, groups, options)
+    if not isinstance(dataset, Dataset):
+        raise ValueError(f"dataset_fn must return an ms.data.Dataset, got "
+                         f"{type(dataset).__name__}")
+    layout = layouts.FunctionLayout(dataset, pieces)
+    seed = int(engine.broadcast(np.array([secrets.randbits(62)], np.int64), root=0)[0])
+    return DistributedDataset(strategy, layout, options, seed, dataset)
 
 
 register_input_distribution(distribute_dataset, distribute_datasets_from_function)

@@ -21,13 +21,13 @@ import weakref
 from typing import List, Optional, Sequence
 
 import numpy as np
-from mpi4py import MPI
 
+from mpistrat.data import ops
 from mpistrat.data.dataset import Dataset
+from mpistrat.data.mpiio import ReadHandle, open_for_reading, read_runs, runs_of
 from mpistrat.errors import DataLossError, NotFoundError
 
-__all__ = ["RecordFiles", "FixedLengthRecordDataset", "NpyDataset", "HDF5Rows", "HDF5Dataset",
-           "BatchedRecords"]
+__all__ = ["RecordFiles", "FixedLengthRecordDataset", "NpyDataset", "HDF5Rows", "HDF5Dataset"]
 
 
 _NUMERIC_KINDS = set("biufc")
@@ -42,8 +42,11 @@ def _integer(value, name: str) -> int:
 
 
 def _numeric(dtype, what: str) -> np.dtype:
-    """A plain numeric or bool dtype, else ``ValueError`` (no objects, strings or records)."""
+    """A plain numeric or bool dtype (or an ``ml_dtypes`` one: bfloat16, the float8 types),
+    else ``ValueError`` (no objects, strings or records)."""
     dtype = np.dtype(dtype)
+    if getattr(dtype.type, "__module__", "").startswith("ml_dtypes") and dtype.fields is None:
+        return dtype
     if dtype.kind not in _NUMERIC_KINDS or dtype.fields is not None or dtype.subdtype is not None:
         raise ValueError(f"{what}: dtype {dtype} is not supported (plain numeric and bool only)")
     return dtype
@@ -51,9 +54,17 @@ def _numeric(dtype, what: str) -> np.dtype:
 
 def _close_all(handles: dict) -> None:
     for handle in handles.values():
-        if not MPI.Is_finalized():
-            handle.Close()
+        handle.close()
     handles.clear()
+
+
+def _view_of(path: str) -> tuple:
+    """What a rank sees of a file when the dataset is built: size and modification time."""
+    try:
+        stat = os.stat(path)
+    except OSError as err:
+        return (path, f"unreadable: {err.strerror}")
+    return (path, stat.st_size, stat.st_mtime_ns)
 
 
 class RecordFiles(Dataset):
@@ -89,12 +100,14 @@ class RecordFiles(Dataset):
         self._set_rows([self._count(f, footer_bytes) for f in self.files])
 
     def _set_rows(self, counts: List[int]) -> None:
-        """Rows per file; makes the dataset iterate all rows, file by file."""
+        """Rows per file; the dataset is a random-access source over all of them."""
         self.counts = list(counts)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
         self.bytes_read = 0
-        Dataset.__init__(self, lambda: (row for block in self._blocks(range(len(self.files)))
-                                        for row in block))
+        self.views = [_view_of(path) for path in self.files]  # agreed by distributed datasets
+        Dataset.__init__(self, node=ops.Source(self.num_rows, self.gather_rows, "a file reader",
+                                               row_bytes=self.record_bytes))
+        self._node.reader = self
 
     def _count(self, path: str, footer_bytes: int) -> int:
         if not os.path.isfile(path):
@@ -106,18 +119,13 @@ class RecordFiles(Dataset):
                              f"{self.record_bytes}-byte records + footer {footer_bytes}")
         return body // self.record_bytes
 
-    def _handle(self, file_index: int) -> MPI.File:
+    def _handle(self, file_index: int) -> ReadHandle:
         """The file opened once (MPI-IO, this rank alone) and kept: the kernel's read-ahead
         follows a rank's consecutive reads instead of starting over at every batch."""
         handles = self.__dict__.setdefault("_handles", {})
         handle = handles.get(file_index)
         if handle is None:
-            try:
-                handle = MPI.File.Open(MPI.COMM_SELF, self.files[file_index], MPI.MODE_RDONLY)
-            except MPI.Exception as err:
-                raise NotFoundError(f"record file {self.files[file_index]} cannot be opened: "
-                                    f"{err.Get_error_string()}") from None
-            handles[file_index] = handle
+            handle = handles[file_index] = open_for_reading(self.files[file_index])
             if len(handles) == 1:  # closed when the reader goes, or at exit before MPI ends
                 weakref.finalize(self, _close_all, handles)
         return handle
@@ -126,70 +134,47 @@ class RecordFiles(Dataset):
     def num_rows(self) -> int:
         return int(self.starts[-1])
 
+    def _decode(self, buffer: np.ndarray, count: int) -> np.ndarray:
+        self.bytes_read += buffer.nbytes
+        return buffer.view(self.dtype).reshape((count,) + self.shape)
+
     def read_file_rows(self, file_index: int, first: int, stop: int) -> np.ndarray:
         """Rows ``[first, stop)`` of one file, decoded, in one MPI-IO read."""
         count = max(stop - first, 0)
-        buffer = np.empty(count * self.record_bytes, dtype=np.uint8)
-        if count:
-            offset = self.header_bytes + first * self.record_bytes
-            status = MPI.Status()
-            self._handle(file_index).Read_at(offset, buffer, status)
-            got = status.Get_count(MPI.BYTE)
-            if got != buffer.nbytes:  # the file shrank after the dataset was built
-                raise DataLossError(f"{self.files[file_index]}: short read at offset {offset}: "
-                                    f"{got} of {buffer.nbytes} bytes (the file was truncated?)")
-            self.bytes_read += buffer.nbytes
-        return buffer.view(self.dtype).reshape((count,) + self.shape)
+        buffer = read_runs(self._handle(file_index), self.header_bytes, self.record_bytes,
+                           np.array([first]), np.array([count])) if count else \
+            np.empty(0, np.uint8)
+        return self._decode(buffer, count)
 
     def read_rows(self, start: int, stop: int) -> np.ndarray:
         """Global rows ``[start, stop)``, across file boundaries."""
-        parts = []
-        for index in range(len(self.files)):
-            lo, hi = max(start, self.starts[index]), min(stop, self.starts[index + 1])
-            if lo < hi:
-                parts.append(self.read_file_rows(index, lo - self.starts[index],
-                                                 hi - self.starts[index]))
+        return self.gather_rows(np.arange(start, max(start, stop), dtype=np.int64))
+
+    def gather_rows(self, indices: np.ndarray) -> np.ndarray:
+        """The rows at global ``indices`` (any order, repeats allowed), read in sorted,
+        coalesced runs: one MPI-IO call per file touched."""
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if indices.size and (indices.min() < 0 or indices.max() >= self.num_rows):
+            raise IndexError(f"rows outside [0, {self.num_rows}) of {self.files[0]}...")
+        if indices.size < 2 or (np.diff(indices) > 0).all():   # sorted already: no copy
+            wanted, inverse = indices, None
+        else:
+            wanted, inverse = np.unique(indices, return_inverse=True)
+        bounds = np.searchsorted(wanted, self.starts)
+        parts = [self._read_file_set(index, wanted[bounds[index]:bounds[index + 1]] -
+                                     self.starts[index])
+                 for index in range(len(self.files)) if bounds[index] < bounds[index + 1]]
         if not parts:
-            return np.empty((0,) + self.shape, dtype=self.dtype)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+            out = np.empty((0,) + self.shape, dtype=self.dtype)
+        else:
+            out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return out if inverse is None else out[inverse.reshape(-1)]
 
-    def _blocks(self, file_indices, rows_per_block: int = 1 << 16):
-        for index in file_indices:
-            for first in range(0, self.counts[index], rows_per_block):
-                yield self.read_file_rows(index, first,
-                                          min(first + rows_per_block, self.counts[index]))
-
-    def batch(self, batch_size: int, drop_remainder: bool = False) -> "BatchedRecords":
-        """Batches read in one block each (no per-record Python loop)."""
-        return BatchedRecords(self, batch_size, drop_remainder)
-
-
-class BatchedRecords(Dataset):
-    """``reader.batch(B)``: global batches, and row ranges for distributed reading."""
-
-    def __init__(self, source: RecordFiles, batch_size: int, drop_remainder: bool):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
-        self.source = source
-        super().__init__(self._batches, batch_size, drop_remainder, source.options())
-
-    def batch_bounds(self):
-        """``(start, stop)`` global rows of each batch."""
-        total, size = self.source.num_rows, self._batch_size
-        for start in range(0, total, size):
-            stop = min(start + size, total)
-            if self._drop_remainder and stop - start < size:
-                return
-            yield start, stop
-
-    def _batches(self):
-        for start, stop in self.batch_bounds():
-            yield self.source.read_rows(start, stop)
-
-    def with_options(self, options) -> "BatchedRecords":
-        copy = BatchedRecords(self.source, self._batch_size, self._drop_remainder)
-        copy._options = options
-        return copy
+    def _read_file_set(self, file_index: int, rows: np.ndarray) -> np.ndarray:
+        starts, lengths = runs_of(rows)
+        buffer = read_runs(self._handle(file_index), self.header_bytes, self.record_bytes,
+                           starts, lengths)
+        return self._decode(buffer, rows.size)
 
 
 def FixedLengthRecordDataset(filenames, record_bytes: int, header_bytes: int = 0,
@@ -291,6 +276,21 @@ class HDF5Rows(RecordFiles):
                                 f"{self.name!r} could not be read ({err})") from None
         self.bytes_read += rows.nbytes
         return rows
+
+    def _read_file_set(self, file_index: int, rows: np.ndarray) -> np.ndarray:
+        """Sorted ``rows`` of one file: one slice for a run, else one selection of them all."""
+        import h5py
+        if rows.size and rows[-1] - rows[0] + 1 == rows.size:
+            return self.read_file_rows(file_index, int(rows[0]), int(rows[-1]) + 1)
+        try:
+            with h5py.File(self.files[file_index], "r") as f:
+                out = f[self.name][rows] if rows.size else \
+                    np.empty((0,) + self.shape, dtype=self.dtype)
+        except (OSError, KeyError, ValueError) as err:
+            raise DataLossError(f"{self.files[file_index]}: {rows.size} rows of dataset "
+                                f"{self.name!r} could not be read ({err})") from None
+        self.bytes_read += out.nbytes
+        return out
 
 
 def HDF5Dataset(filenames, dataset: str) -> HDF5Rows:

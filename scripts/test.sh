@@ -17,7 +17,7 @@ summary() {  # the counts in pytest's closing line of log $1
 }
 
 # The main job and preemption tests launch whole training jobs: a stage of their own.
-JOB_TESTS="tests/launcher/test_train_job.py tests/launcher/test_preemption.py tests/launcher/test_slurm_templates.py"
+JOB_TESTS="tests/launcher/test_train_job.py tests/launcher/test_train_deterministic.py tests/launcher/test_preemption.py tests/launcher/test_slurm_templates.py"
 
 echo "=== single-process tests (unit, launcher; then GPU tests, which skip without a GPU)"
 timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=300 --timeout-method=thread \
@@ -56,6 +56,17 @@ for n in 1 2 3 4; do
     echo "=== multi-rank tests at $n ranks"
     ranks_run "np$n" "$n" tests/mpi
 done
+# tests/mpi/test_data_global.py writes a digest of every global batch of each pipeline at each
+# width under $MPISTRAT_REPRO_DIR/data: the sequence must be the same bits at 1, 2, 3 and 4 ranks.
+for f in "$MPISTRAT_REPRO_DIR"/data/*.np1.sha256; do
+    [ -e "$f" ] || { echo "no global-batch digests were written"; failed_runs="$failed_runs data-digests"; break; }
+    base=${f%.np1.sha256}
+    if [ "$(ls "$base".np[1-4].sha256 2>/dev/null | wc -l)" -ne 4 ] || \
+       [ "$(cat "$base".np[1-4].sha256 | sort -u | wc -l)" -ne 1 ]; then
+        echo "global batches differ between widths: $base"; failed_runs="$failed_runs data-digests"
+    fi
+done
+
 # tests/mpi with JAX CPU arrays as the replicas' values (MPISTRAT_TEST_ARRAYS, tests/mpi/conftest.py);
 # tests that are NumPy only skip with their reason; the reproducible digest must stay the same.
 echo "=== multi-rank tests at 2 ranks with JAX arrays"

@@ -2,6 +2,7 @@
 
     mpirun -n 2 python -m mpistrat info          # one row per rank, then the facts
     mpirun -n 2 python -m mpistrat info --json   # the same as one JSON document
+    python -m mpistrat plan --nodes 64 --model resnet50   # predicted all-reduce (simulate/plan.py)
 
 Rows: rank, host, node, local rank, the device the rank would bind, and the collective
 backend chosen for each array kind (NumPy, CuPy, JAX). Facts: the MPI library and thread
@@ -179,8 +180,14 @@ def _bytes(n: int) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:  # the simulator's own command (mpistrat/simulate/plan.py)
+        from mpistrat.simulate.plan import main as plan
+        return plan(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m mpistrat")
-    parser.add_argument("command", choices=["info"], help="info: describe every rank")
+    parser.add_argument("command", choices=["info", "plan"],
+                        help="info: describe every rank; plan: predict a cluster's all-reduce "
+                             "(python -m mpistrat plan --help)")
     parser.add_argument("--json", action="store_true", help="one JSON document on rank 0")
     args = parser.parse_args(argv)
     from mpistrat.runtime import get_world

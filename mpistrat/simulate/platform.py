@@ -109,6 +109,7 @@ class Platform:
         self.overhead: Dict[str, float] = dict(spec.overhead)
         self._links: Dict[str, Link] = {}
         self._routes: Dict[Tuple[int, int], Tuple[str, ...]] = {}
+        self._info: Dict[Tuple[int, int], tuple] = {}
 
     @property
     def ranks(self) -> int:
@@ -163,6 +164,16 @@ class Platform:
             middle = (f"group/{ga}",) if ga == gb else \
                 (f"group/{ga}", f"global/{ga}-{gb}", f"group/{gb}")
         return (f"nic-up/{a}",) + middle + (f"nic-down/{b}",)
+
+    def route_info(self, src: int, dst: int) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+        """``(links that can be shared, link classes)`` of a route (cached)."""
+        key = (src, dst)
+        found = self._info.get(key)
+        if found is None:
+            route = self.route(src, dst)
+            found = self._info[key] = (tuple(n for n in route if not self.link(n).fatpipe),
+                                       tuple(n.split("/")[0] for n in route))
+        return found
 
     def crosses_nodes(self, src: int, dst: int) -> bool:
         return self.node_of[src] != self.node_of[dst]

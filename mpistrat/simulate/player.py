@@ -18,8 +18,8 @@ share of every link (no TCP window, no cross traffic), so a lone message of
 A round (``rounds.py``) is played as: all its messages start together (on a
 shared machine, each also costs CPU time on both ends, ``Exec`` on a host of
 ``shared_cores`` cores); when all are done, every reduction runs (on the
-rank's own host, or on the shared machine); then the round's software
-overhead passes. Rounds that are certain to take equal time (same key; for
+rank's own host, or on the shared machine); then every rank that took part
+spends the round's software overhead (on its own core, or on the shared machine). Rounds that are certain to take equal time (same key; for
 rounds where no link carries two messages, same link classes and sizes) are
 played once and then skipped over by advancing the clock by their duration.
 
@@ -34,10 +34,10 @@ import traceback
 from importlib.machinery import PathFinder
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from mpistrat.simulate.platform import Platform
+from mpistrat.simulate.platform import Platform, link_bytes
 from mpistrat.simulate.rounds import Round
 
-__all__ = ["simgrid_missing", "play", "run_in_child", "SIMGRID_PATH"]
+__all__ = ["simgrid_missing", "play", "run_in_child", "traffic_by_class", "SIMGRID_PATH"]
 
 SIMGRID_PATH = "/usr/lib/python3/dist-packages"
 _GIGA = 1e9  # hosts compute 1e9 "flops" per second: an Exec of t*1e9 flops takes t seconds
@@ -87,16 +87,28 @@ def run_in_child(fn: Callable, *args):
     return value
 
 
-def play(platform: Platform, jobs: Sequence[Callable[[], Sequence[Round]]]) -> List[float]:
+def play(platform: Platform, jobs: Sequence[Callable[[], Sequence[Round]]],
+         traffic: bool = False) -> list:
     """Simulated seconds of each job (a function giving its rounds), played one after another
-    on an idle platform."""
+    on an idle platform. With ``traffic``, each result is ``(seconds, {link class: [bytes on
+    the busiest link of the class, bytes on all of them]})``."""
     missing = simgrid_missing()
     if missing:
         raise RuntimeError(missing)
-    return run_in_child(_simulate, platform, list(jobs))
+    return run_in_child(_simulate, platform, list(jobs), traffic)
 
 
-def _simulate(platform: Platform, jobs) -> List[float]:
+def traffic_by_class(platform: Platform, rounds: Sequence[Round]) -> Dict[str, List[int]]:
+    """Bytes per link class: the busiest link's and the sum over the class's links."""
+    out: Dict[str, List[int]] = {}
+    for name, nbytes in link_bytes(platform, rounds).items():
+        entry = out.setdefault(name.split("/")[0], [0, 0])
+        entry[0] = max(entry[0], nbytes)
+        entry[1] += nbytes
+    return out
+
+
+def _simulate(platform: Platform, jobs, traffic: bool = False) -> list:
     sg = _simgrid()
     engine = sg.Engine(["mpistrat-simulate", "--cfg=network/model:CM02",
                         "--cfg=network/crosstraffic:0", "--cfg=network/TCP-gamma:1e18",
@@ -109,9 +121,11 @@ def _simulate(platform: Platform, jobs) -> List[float]:
         alike: Dict[tuple, float] = {}
         for job in jobs:
             start = engine.clock
-            for r in job():
+            rounds = job()
+            for r in rounds:
                 _play_round(sg, engine, platform, hosts, machine, r, exact, alike)
-            results.append(engine.clock - start)
+            seconds = engine.clock - start
+            results.append((seconds, traffic_by_class(platform, rounds)) if traffic else seconds)
 
     sg.Actor.create("driver", hosts[0], driver)
     engine.run()
@@ -132,7 +146,10 @@ def _play_round(sg, engine, platform: Platform, hosts, machine, r: Round,
         return
     start = engine.clock
     # 1. every message at once (on a shared machine, with the CPU time of both ends)
-    comms = [sg.Comm.sendto_async(hosts[src], hosts[dst], int(n)) for src, dst, n in r.transfers]
+    # (an empty message travels as one byte: many 0-byte messages at once took SimGrid
+    # milliseconds of simulated time instead of a latency)
+    comms = [sg.Comm.sendto_async(hosts[src], hosts[dst], max(int(n), 1))
+             for src, dst, n in r.transfers]
     execs = []
     if machine is not None:
         for src, dst, n in r.transfers:
@@ -148,9 +165,14 @@ def _play_round(sg, engine, platform: Platform, hosts, machine, r: Round,
              for rank, n in r.combines if n > 0]
     for x in execs:
         x.wait()
-    # 3. the software's own cost per round
+    # 3. the software's own cost per round, on each rank that took part (CPU time: on a shared
+    # machine the ranks take turns on its cores)
     overhead = platform.overhead.get(r.software, 0.0)
-    if overhead > 0:
+    if overhead > 0 and machine is not None:
+        ranks = {src for src, _, _ in r.transfers} | {dst for _, dst, _ in r.transfers}
+        for x in [_start_exec(sg, machine, overhead * _GIGA) for _ in ranks]:
+            x.wait()
+    elif overhead > 0:
         sg.this_actor.sleep_for(overhead)
     seconds = engine.clock - start
     exact[key] = seconds
@@ -171,13 +193,12 @@ def _contention_free_key(platform: Platform, r: Round) -> Optional[tuple]:
     used = set()
     flows = []
     for src, dst, n in r.transfers:
-        route = platform.route(src, dst)
-        for name in route:
-            if not platform.link(name).fatpipe:
-                if name in used:
-                    return None
-                used.add(name)
-        flows.append((tuple(name.split("/")[0] for name in route), n))
+        shared, classes = platform.route_info(src, dst)
+        for name in shared:
+            if name in used:
+                return None
+            used.add(name)
+        flows.append((classes, n))
     ranks = [rank for rank, _ in r.combines]
     if len(ranks) != len(set(ranks)):
         return None
@@ -260,6 +281,8 @@ def _build(sg, platform: Platform):
                 root.add_route(za.netpoint, zb.netpoint, ga, gb, links(root, *middle), False)
     machine = None
     if spec.shared_cores > 0:
-        machine = root.create_host("machine", _GIGA).set_core_count(spec.shared_cores).seal()
+        machine = root.create_host("machine", _GIGA)
+        machine.core_count = spec.shared_cores
+        machine.seal()
     root.seal()
     return hosts, machine

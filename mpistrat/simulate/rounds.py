@@ -17,11 +17,11 @@ into rounds, checking that every send meets the matching receive::
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from mpistrat.collectives.schedules import PLACE, Step
 
-__all__ = ["Round", "zip_steps", "relabel", "PYTHON", "LIBRARY"]
+__all__ = ["Round", "zip_steps", "relabel", "merge", "PYTHON", "LIBRARY"]
 
 # Who runs a round's steps: our executor (a Python loop over Sendrecv) or the MPI library's
 # own code; the platform gives each a per-round software overhead.
@@ -54,26 +54,22 @@ def zip_steps(steps: Sequence[Sequence[Step]], itemsize: int,
     if any(len(s) != length for s in steps):
         raise ValueError(f"schedules of unequal length: {[len(s) for s in steps]}")
     rounds = []
-    for index in range(length):
-        sends: Dict[Tuple[int, int], int] = {}
-        recvs: Dict[Tuple[int, int], int] = {}
-        combines = []
-        for rank, rank_steps in enumerate(steps):
-            step = rank_steps[index]
-            if step.send is not None:
-                peer, a, b = step.send
-                sends[(rank, peer)] = b - a
-            if step.recv is not None:
-                peer, c, d = step.recv
-                recvs[(peer, rank)] = d - c
-                if step.combine != PLACE and d > c:
-                    combines.append((ranks[rank], (d - c) * itemsize))
+    for index, column in enumerate(zip(*steps)):
+        sends, recvs, combines = [], [], []
+        for rank, (send, recv, combine, _) in enumerate(column):
+            if send is not None:
+                sends.append((rank, send[0], send[2] - send[1]))
+            if recv is not None:
+                recvs.append((recv[0], rank, recv[2] - recv[1]))
+                if combine != PLACE and recv[2] > recv[1]:
+                    combines.append((ranks[rank], (recv[2] - recv[1]) * itemsize))
+        sends.sort()
+        recvs.sort()
         if sends != recvs:
-            raise ValueError(f"round {index}: sends {sorted(sends.items())} do not match "
-                             f"receives {sorted(recvs.items())}")
-        transfers = tuple((ranks[s], ranks[d], n * itemsize) for (s, d), n in sorted(sends.items()))
-        if transfers or combines:
-            rounds.append(Round(transfers, tuple(combines), software))
+            raise ValueError(f"round {index}: sends {sends} do not match receives {recvs}")
+        if sends or combines:
+            rounds.append(Round(tuple((ranks[a], ranks[b], n * itemsize) for a, b, n in sends),
+                                tuple(combines), software))
     return rounds
 
 

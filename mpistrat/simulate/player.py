@@ -32,7 +32,7 @@ import pickle
 import sys
 import traceback
 from importlib.machinery import PathFinder
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 from mpistrat.simulate.platform import Platform, link_bytes
 from mpistrat.simulate.rounds import Round

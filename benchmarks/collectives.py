@@ -19,18 +19,8 @@ import mpistrat as ms  # noqa: E402
 
 def resnet50_shapes():
     """torchvision resnet50's 161 parameter shapes (25,557,032 values)."""
-    shapes = [(64, 3, 7, 7), (64,), (64,)]
-    inplanes = 64
-    for planes, blocks in [(64, 3), (128, 4), (256, 6), (512, 3)]:
-        for block in range(blocks):
-            shapes += [(planes, inplanes, 1, 1), (planes,), (planes,),
-                       (planes, planes, 3, 3), (planes,), (planes,),
-                       (planes * 4, planes, 1, 1), (planes * 4,), (planes * 4,)]
-            if block == 0:
-                shapes += [(planes * 4, inplanes, 1, 1), (planes * 4,), (planes * 4,)]
-            inplanes = planes * 4
-    shapes += [(1000, 2048), (1000,)]
-    return shapes
+    from mpistrat.simulate.models import gradient_set   # one list, shared with the simulator
+    return [shape for shape, _ in gradient_set("resnet50")]
 
 
 def raw_per_tensor(comm, tensors):

@@ -2,6 +2,7 @@
 
     mpirun -n 2 python -m mpistrat info          # one row per rank, then the facts
     mpirun -n 2 python -m mpistrat info --json   # the same as one JSON document
+    python -m mpistrat plan --nodes 64 --model resnet50   # predicted all-reduce (simulate/plan.py)
 
 Rows: rank, host, node, local rank, the device the rank would bind, and the collective
 backend chosen for each array kind (NumPy, CuPy, JAX). Facts: the MPI library and thread
@@ -183,8 +184,14 @@ def main(argv=None) -> int:
     if argv[:1] == ["convert"]:  # checkpoints between TensorFlow's format and ours
         from mpistrat.convert import main as convert
         return convert(argv[1:])
+    if argv[:1] == ["plan"]:  # the simulator's own command (mpistrat/simulate/plan.py)
+        from mpistrat.simulate.plan import main as plan
+        return plan(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m mpistrat")
-    parser.add_argument("command", choices=["info"], help="info: describe every rank")
+    parser.add_argument("command", choices=["info", "plan", "convert"],
+                        help="info: describe every rank; plan: predict a cluster's all-reduce "
+                             "(python -m mpistrat plan --help); convert: checkpoints between "
+                             "TensorFlow's format and ours (python -m mpistrat convert --help)")
     parser.add_argument("--json", action="store_true", help="one JSON document on rank 0")
     args = parser.parse_args(argv)
     from mpistrat.runtime import get_world

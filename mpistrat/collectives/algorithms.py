@@ -15,15 +15,21 @@ one place that picks):
   crosses host links per rank.
 * ``reduce_broadcast``: ``Reduce`` to rank 0 then ``Bcast`` (TensorFlow's
   ``ReductionToOneDevice``), only when asked for.
+* ``rabenseifner``: reduce-scatter by recursive halving, all-gather by
+  recursive doubling: the ring's bytes in ``2 log2 n`` rounds instead of
+  ``2 (n-1)`` (the simulation of many nodes calls for it, docs/scaling.md).
 
-The chunk layout is a pure function, ``ring_chunks``::
+Our own algorithms run the steps of ``collectives/schedules.py`` (``play``),
+the same steps the simulator (``mpistrat/simulate``) plays on a model of a
+cluster. The chunk layout is a pure function, ``ring_chunks``::
 
     >>> from mpistrat.collectives.algorithms import ring_chunks
     >>> ring_chunks(10, 3)
     [(0, 4), (4, 7), (7, 10)]
 """
 
-from typing import List, Optional, Tuple
+from contextlib import contextmanager
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -31,15 +37,17 @@ from mpi4py import MPI
 from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.reduce_op import ReduceOp
+from mpistrat.collectives.schedules import (FRESH, INPUT, PLACE, Step, rabenseifner_steps,
+                                            ring_all_gather_steps, ring_reduce_scatter_steps)
 from mpistrat.partition import even_ranges
 from mpistrat.runtime import settings
 from mpistrat.runtime import timeline
 
-__all__ = ["ring_chunks", "choose_algorithm", "explain_algorithm", "allreduce",
-           "ring_reduce_scatter", "ring_all_gather",
+__all__ = ["ring_chunks", "choose_algorithm", "explain_algorithm", "allreduce", "play",
+           "ring_reduce_scatter", "ring_all_gather", "recording",
            "RING_THRESHOLD_BYTES", "ALGORITHMS"]
 
-ALGORITHMS = ("auto", "mpi", "ring", "hierarchical", "reduce_broadcast")
+ALGORITHMS = ("auto", "mpi", "ring", "hierarchical", "reduce_broadcast", "rabenseifner")
 
 # Messages of at least this many bytes use the ring (override with
 # MPISTRAT_RING_THRESHOLD; a negative value turns the ring off).
@@ -124,12 +132,11 @@ def allreduce(comm: MPI.Comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp,
 
 
 def _allreduce(comm, send, recv, op, deadline, algorithm):
-    if algorithm == "ring":
-        _ring_allreduce(comm, send, recv, op, deadline)
+    runner = _RUNNERS.get(algorithm)
+    if runner is not None:
+        runner(comm, send, recv, op, deadline)
         return
-    if algorithm == "reduce_broadcast":
-        _reduce_broadcast(comm, send, recv, op, deadline)
-        return
+    _record_call(comm, "allreduce", recv.size)
     if send is recv:
         send = MPI.IN_PLACE
     if deadline is None:
@@ -139,11 +146,46 @@ def _allreduce(comm, send, recv, op, deadline, algorithm):
 
 
 def _exchange(comm, send, dest, recv, source, deadline, what):
+    """Send ``send`` to ``dest`` and receive ``recv`` from ``source`` (either may be absent)."""
     if deadline is None:
-        comm.Sendrecv(send, dest, _RING_TAG, recv, source, _RING_TAG)
-    else:
-        requests = [comm.Irecv(recv, source, _RING_TAG), comm.Isend(send, dest, _RING_TAG)]
-        wait_all(requests, deadline, what)
+        if send is not None and recv is not None:
+            comm.Sendrecv(send, dest, _RING_TAG, recv, source, _RING_TAG)
+        elif send is not None:
+            comm.Send(send, dest, _RING_TAG)
+        elif recv is not None:
+            comm.Recv(recv, source, _RING_TAG)
+        return
+    requests = ([comm.Irecv(recv, source, _RING_TAG)] if recv is not None else []) + \
+        ([comm.Isend(send, dest, _RING_TAG)] if send is not None else [])
+    wait_all(requests, deadline, what)
+
+
+def play(comm: MPI.Comm, steps: Sequence[Step], src: np.ndarray, out: np.ndarray, op: ReduceOp,
+         deadline: Optional[Deadline], what: str) -> None:
+    """Run one rank's ``steps`` (``collectives/schedules.py``) on flat ``src`` and ``out``.
+
+    ``src`` is only read (it may be ``out`` itself); received elements are
+    combined with ``op`` or placed, as each step says.
+    """
+    combine = _COMBINE[op]
+    need = max((s.recv[2] - s.recv[1] for s in steps if s.recv is not None
+                and s.combine != PLACE), default=0)
+    scratch = default_pool().take((need,), out.dtype) if need else out[:0]
+    record = _recording
+    ranks = _world_ranks(comm) if record is not None else None
+    for step in steps:
+        send, recv = step.send, step.recv
+        if record is not None:
+            record.append(_step_event(step, ranks))
+        outgoing = incoming = None
+        if send is not None:
+            outgoing = (src if step.source == INPUT else out)[send[1]:send[2]]
+        if recv is not None:
+            c, d = recv[1], recv[2]
+            incoming = out[c:d] if step.combine == PLACE else scratch[:d - c]
+        _exchange(comm, outgoing, send and send[0], incoming, recv and recv[0], deadline, what)
+        if recv is not None and step.combine != PLACE:
+            combine((src if step.combine == FRESH else out)[c:d], incoming, out=out[c:d])
 
 
 def _ring_allreduce(comm, send, recv, op, deadline):
@@ -151,6 +193,19 @@ def _ring_allreduce(comm, send, recv, op, deadline):
     bounds = ring_chunks(src.size, comm.Get_size())
     ring_reduce_scatter(comm, src, out, bounds, op, deadline)  # 1. this rank's chunk complete
     ring_all_gather(comm, out, bounds, deadline)               # 2. every chunk everywhere
+
+
+def _rabenseifner_allreduce(comm, send, recv, op, deadline):
+    """Recursive halving reduce-scatter, then recursive doubling all-gather (``2 log2 n``
+    rounds instead of the ring's ``2 (n-1)``, the same bytes)."""
+    src, out = send.reshape(-1), recv.reshape(-1)
+    size = comm.Get_size()
+    if size == 1:
+        if src is not out:
+            out[:] = src
+        return
+    steps = rabenseifner_steps(comm.Get_rank(), size, src.size)
+    play(comm, steps, src, out, op, deadline, f"rabenseifner all_reduce {op.name}")
 
 
 def ring_reduce_scatter(comm: MPI.Comm, src: np.ndarray, out: np.ndarray,
@@ -161,7 +216,8 @@ def ring_reduce_scatter(comm: MPI.Comm, src: np.ndarray, out: np.ndarray,
     ``bounds[r]`` is the contiguous range rank ``r`` owns (any partition, even
     uneven or empty parts); afterwards ``out[bounds[rank]]`` holds the
     combination over all ranks, and the rest of ``out`` partial results.
-    Partial sums pass to the right; a chunk is complete after ``size - 1`` steps.
+    Partial sums pass to the right; a chunk is complete after ``size - 1`` steps
+    (``schedules.ring_reduce_scatter_steps``).
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:
@@ -169,35 +225,65 @@ def ring_reduce_scatter(comm: MPI.Comm, src: np.ndarray, out: np.ndarray,
         if src is not out:
             out[a:b] = src[a:b]
         return
-    right, left = (rank + 1) % size, (rank - 1) % size
-    scratch = default_pool().take((max(b - a for a, b in bounds),), src.dtype)
-    combine = _COMBINE[op]
-    what = f"ring reduce-scatter {op.name}"
-    for step in range(size - 1):
-        send_chunk, recv_chunk = (rank - step - 1) % size, (rank - step - 2) % size
-        a, b = bounds[send_chunk]
-        c, d = bounds[recv_chunk]
-        outgoing = src[a:b] if step == 0 else out[a:b]
-        _exchange(comm, outgoing, right, scratch[:d - c], left, deadline, what)
-        combine(src[c:d], scratch[:d - c], out=out[c:d])
+    play(comm, ring_reduce_scatter_steps(rank, size, bounds), src, out, op, deadline,
+         f"ring reduce-scatter {op.name}")
 
 
 def ring_all_gather(comm: MPI.Comm, buffer: np.ndarray, bounds: List[Tuple[int, int]],
                     deadline: Optional[Deadline]) -> None:
     """Ring all-gather in place: rank ``r`` contributes ``buffer[bounds[r]]``; complete
-    chunks pass to the right, straight into place."""
+    chunks pass to the right, straight into place (``schedules.ring_all_gather_steps``)."""
     size, rank = comm.Get_size(), comm.Get_rank()
-    right, left = (rank + 1) % size, (rank - 1) % size
-    for step in range(size - 1):
-        send_chunk, recv_chunk = (rank - step) % size, (rank - step - 1) % size
-        a, b = bounds[send_chunk]
-        c, d = bounds[recv_chunk]
-        _exchange(comm, buffer[a:b], right, buffer[c:d], left, deadline, "ring all-gather")
+    if size == 1:
+        return
+    play(comm, ring_all_gather_steps(rank, size, bounds), buffer, buffer, ReduceOp.SUM,
+         deadline, "ring all-gather")
+
+
+# --- recording what a process plays (a test aid: tests/mpi/test_schedule_tie.py) ---
+
+_recording: Optional[list] = None
+
+
+@contextmanager
+def recording():
+    """Record every step and library collective this process plays, in ``COMM_WORLD`` ranks.
+
+    Yields a list that fills with ``("step", send, recv, combine)`` (``send``
+    and ``recv`` are ``(world rank, start, stop)`` or ``None``) and
+    ``("call", kind, members, count)`` for the MPI library's own collectives.
+    Off (one attribute test per call) unless inside this block.
+    """
+    global _recording
+    events: list = []
+    _recording = events
+    try:
+        yield events
+    finally:
+        _recording = None
+
+
+def _world_ranks(comm) -> List[int]:
+    return MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())),
+                                     MPI.COMM_WORLD.Get_group())
+
+
+def _step_event(step: Step, ranks: List[int]):
+    send = None if step.send is None else (ranks[step.send[0]],) + step.send[1:]
+    recv = None if step.recv is None else (ranks[step.recv[0]],) + step.recv[1:]
+    return ("step", send, recv, step.combine)
+
+
+def _record_call(comm, kind: str, count: int) -> None:
+    if _recording is not None:
+        _recording.append(("call", kind, tuple(_world_ranks(comm)), count))
 
 
 def _reduce_broadcast(comm, send, recv, op, deadline):
     """TensorFlow's ``ReductionToOneDevice``: reduce to rank 0, then broadcast from it."""
     what = f"reduce_broadcast all_reduce {op.name}"
+    _record_call(comm, "reduce", recv.size)
+    _record_call(comm, "bcast", recv.size)
     if comm.Get_rank() == 0:
         source = MPI.IN_PLACE if send is recv else send
     else:
@@ -209,3 +295,9 @@ def _reduce_broadcast(comm, send, recv, op, deadline):
         wait_all([comm.Ireduce(source, recv if comm.Get_rank() == 0 else None, op.mpi_op,
                                root=0)], deadline, what)
         wait_all([comm.Ibcast(recv, root=0)], deadline, what)
+
+
+# Algorithms run by our own schedules, by name (``mpi`` is the library's ``Allreduce``; the
+# hierarchical algorithm runs from backends/host.py, which knows the topology).
+_RUNNERS = {"ring": _ring_allreduce, "rabenseifner": _rabenseifner_allreduce,
+            "reduce_broadcast": _reduce_broadcast}

@@ -15,7 +15,7 @@ __all__ = ["CommunicationImplementation", "CommunicationOptions", "DEFAULT_BYTES
 # Small tensors are fused into buckets of at most this many bytes when
 # ``bytes_per_pack`` is 0; see docs/benchmarks.md for the measurement behind it.
 DEFAULT_BYTES_PER_PACK = 4 << 20
-_ALGORITHMS = ("auto", "mpi", "ring", "hierarchical", "reduce_broadcast")
+_ALGORITHMS = ("auto", "mpi", "ring", "hierarchical", "reduce_broadcast", "rabenseifner")
 
 
 class CommunicationImplementation(enum.Enum):
@@ -44,7 +44,7 @@ class CommunicationOptions:
     arrays use NCCL (host arrays still travel over MPI) and raises naming the
     reason where NCCL cannot run. ``algorithm`` (an mpistrat extension, set
     by ``cross_device_ops``): ``"auto"``, ``"mpi"``, ``"ring"``,
-    ``"hierarchical"`` or ``"reduce_broadcast"``. ``deterministic``:
+    ``"hierarchical"``, ``"reduce_broadcast"`` or ``"rabenseifner"``. ``deterministic``:
     SUM and MEAN give bitwise identical results whatever the rank count,
     algorithm, fusion or order (exact fixed-point sums,
     ``collectives/reproducible.py``; ``MPISTRAT_DETERMINISTIC=1`` turns it on

@@ -27,8 +27,7 @@ owners. The layout is pure::
     [(0, 3, (0, 0)), (3, 6, (1, 0)), (6, 9, (2, 1))]
 """
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -36,52 +35,12 @@ from mpi4py import MPI
 from mpistrat.collectives.algorithms import allreduce, ring_all_gather, ring_reduce_scatter
 from mpistrat.collectives.deadline import Deadline
 from mpistrat.collectives.reduce_op import ReduceOp
+from mpistrat.collectives.schedules import (Segment, chunk_owners, hierarchical_phases,
+                                            node_parts, segments)
 from mpistrat.collectives.topology import comm_topology
-from mpistrat.partition import even_ranges
 
 __all__ = ["Segment", "chunk_owners", "node_parts", "segments", "HierarchicalComms",
            "hierarchical_comms", "MPITransport", "run", "host_allreduce"]
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Elements ``[start, stop)``, all-reduced across nodes among ``owners[n]`` of each node."""
-
-    start: int
-    stop: int
-    owners: Tuple[int, ...]
-
-
-def chunk_owners(node_sizes: Sequence[int]) -> List[Tuple[int, ...]]:
-    """For each of the ``L = max(node_sizes)`` chunks, its owning local rank on every node."""
-    chunks = max(node_sizes)
-    owners = []
-    for chunk in range(chunks):
-        row = []
-        for size in node_sizes:
-            runs = even_ranges(chunks, size)  # local rank j owns chunks [a, b) of runs[j]
-            row.append(next(j for j, (a, b) in enumerate(runs) if a <= chunk < b))
-        owners.append(tuple(row))
-    return owners
-
-
-def node_parts(count: int, node_sizes: Sequence[int], node: int) -> List[Tuple[int, int]]:
-    """The element range each local rank of ``node`` owns after step 1."""
-    chunks = even_ranges(count, max(node_sizes))
-    return [(chunks[a][0], chunks[b - 1][1]) for a, b in
-            even_ranges(len(chunks), node_sizes[node])]
-
-
-def segments(count: int, node_sizes: Sequence[int]) -> List[Segment]:
-    """Consecutive chunks with the same owners merged: one cross-node all-reduce each."""
-    merged: List[Segment] = []
-    for (start, stop), owners in zip(even_ranges(count, max(node_sizes)),
-                                     chunk_owners(node_sizes)):
-        if merged and merged[-1].owners == owners:
-            merged[-1] = Segment(merged[-1].start, stop, owners)
-        else:
-            merged.append(Segment(start, stop, owners))
-    return merged
 
 
 class HierarchicalComms:
@@ -137,17 +96,20 @@ def run(comm: MPI.Comm, send, recv, op: ReduceOp, deadline: Optional[Deadline],
     ``MPISTRAT_RANKS_PER_NODE``-simulated) topology.
     """
     comms = comms if comms is not None else hierarchical_comms(comm, deadline)
-    count = send.size
-    bounds = node_parts(count, comms.node_sizes, comms.node)
-    # 1. reduce-scatter inside the node: recv[bounds[local_rank]] is the node's sum of it
-    transport.reduce_scatter(comms.node_comm, send, recv, bounds, op, deadline)
-    # 2. all-reduce across nodes, each segment of this rank's part with its owners elsewhere
-    for segment in segments(count, comms.node_sizes):
-        if segment.owners[comms.node] == comms.local_rank and segment.stop > segment.start:
+    # the phases are a pure function of the layout (schedules.py), shared with the simulator
+    for phase in hierarchical_phases(send.size, comms.node_sizes, comms.node, comms.local_rank):
+        if phase.kind == "reduce_scatter":
+            # 1. reduce-scatter inside the node: recv[bounds[local_rank]] is the node's sum of it
+            transport.reduce_scatter(comms.node_comm, send, recv, list(phase.bounds), op,
+                                     deadline)
+        elif phase.kind == "cross":
+            # 2. all-reduce across nodes: a segment of this rank's part with its owners elsewhere
+            segment = phase.segment
             transport.cross_allreduce(comms.cross[segment.owners],
                                       recv[segment.start:segment.stop], op, deadline)
-    # 3. all-gather inside the node
-    transport.all_gather(comms.node_comm, recv, bounds, deadline)
+        else:
+            # 3. all-gather inside the node
+            transport.all_gather(comms.node_comm, recv, list(phase.bounds), deadline)
 
 
 _MPI = MPITransport()

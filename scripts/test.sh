@@ -84,7 +84,7 @@ fi
 for spec in "2 4 nodes2x2" "1 3 nodes3x1" "3 4 nodes3+1"; do
     set -- $spec
     echo "=== hierarchical tests on simulated nodes: $3"
-    MPISTRAT_RANKS_PER_NODE=$1 ranks_run "$3" "$2" "tests/mpi/test_hierarchical.py tests/mpi/test_staged_backend.py" 300 120
+    MPISTRAT_RANKS_PER_NODE=$1 ranks_run "$3" "$2" "tests/mpi/test_hierarchical.py tests/mpi/test_staged_backend.py tests/mpi/test_schedule_tie.py" 300 120
 done
 
 # TPUStrategy through the JAX bridge: every rank a JAX host with 4 virtual CPU devices.

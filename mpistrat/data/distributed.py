@@ -312,8 +312,10 @@ def distribute_dataset(strategy, dataset: Dataset, options=None) -> DistributedD
     reader, batch = layouts.file_reader_batch(node)
     if policy is AutoShardPolicy.AUTO and reader is not None and len(reader.files) >= ranks:
         policy = AutoShardPolicy.FILE
-    if files is not None and hasattr(dataset.source, "prepare_shards"):  # TFRecord indexes
-        dataset.source.prepare_shards(strategy.extended.engine, policy)
+    for source in layouts.readers_in(node):     # TFRecord files: indexed once, shared
+        if hasattr(source, "prepare_shards"):
+            source.prepare_shards(strategy.extended.engine,
+                                  policy if source is reader else AutoShardPolicy.DATA)
     if policy is AutoShardPolicy.FILE:
         if reader is None:
             raise ValueError("AutoShardPolicy.FILE needs a file-based dataset (a reader "

@@ -58,7 +58,7 @@ def _close_all(handles: dict) -> None:
     handles.clear()
 
 
-def _view_of(path: str) -> tuple:
+def view_of(path: str) -> tuple:
     """What a rank sees of a file when the dataset is built: size and modification time."""
     try:
         stat = os.stat(path)
@@ -104,7 +104,7 @@ class RecordFiles(Dataset):
         self.counts = list(counts)
         self.starts = np.concatenate([[0], np.cumsum(self.counts)]).astype(np.int64)
         self.bytes_read = 0
-        self.views = [_view_of(path) for path in self.files]  # agreed by distributed datasets
+        self.views = [view_of(path) for path in self.files]  # agreed by distributed datasets
         Dataset.__init__(self, node=ops.Source(self.num_rows, self.gather_rows, "a file reader",
                                                row_bytes=self.record_bytes))
         self._node.reader = self

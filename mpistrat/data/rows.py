@@ -23,10 +23,20 @@ from mpistrat import nest
 __all__ = ["Rows", "stack_elements"]
 
 
+def _stack(*parts: Any) -> np.ndarray:
+    """``np.stack``, but ``bytes`` and ``str`` stay whole in an object array (as tf.string:
+    NumPy's fixed-width ``S`` strings would drop trailing NUL bytes)."""
+    if isinstance(parts[0], (bytes, str)):
+        out = np.empty(len(parts), dtype=object)
+        out[:] = parts
+        return out
+    return np.stack(parts)
+
+
 def stack_elements(elements: Sequence[Any]) -> Any:
     """One batch from a list of elements of one structure (``ValueError`` if shapes differ)."""
     try:
-        return nest.map_structure(lambda *parts: np.stack(parts), *elements)
+        return nest.map_structure(_stack, *elements)
     except ValueError as err:
         shapes = sorted({str(tuple(np.shape(leaf))) for e in elements for leaf in nest.flatten(e)})
         raise ValueError(f"cannot batch elements of different shapes ({', '.join(shapes[:6])}): "

@@ -31,9 +31,11 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
-from mpistrat.data.options import AutoShardPolicy
-from mpistrat.data.readers import BatchedRecords, RecordFiles
+from mpistrat.data import ops
 from mpistrat.data.dataset import Dataset
+from mpistrat.data.mpiio import runs_of
+from mpistrat.data.options import AutoShardPolicy
+from mpistrat.data.readers import RecordFiles, view_of
 from mpistrat.errors import DataLossError, NotFoundError
 from mpistrat.tfformats.record_index import load_index, save_index
 from mpistrat.tfformats.records import (compression_of, scan_offsets, split_records,
@@ -66,6 +68,32 @@ class _Counts(Sequence):
         return len(self.reader.offsets(index)) - 1
 
 
+class _TFRecordSource(ops.Source):
+    """The records as a dataset source: random access through the record index (plain
+    files, indexed at the first random read), read forward only when compressed."""
+
+    name = "a TFRecordDataset"
+
+    def __init__(self, reader: "TFRecordFiles"):
+        self.reader, self._gather, self.row_bytes = reader, reader.gather_rows, 1
+
+    @property
+    def length(self) -> int:
+        return self.reader.num_rows
+
+    def blocker(self):
+        if self.reader.compression is not None:
+            return (f"a {self.reader.compression} compressed TFRecordDataset (it can only be "
+                    f"read from the start of each file)")
+        return None
+
+    def cardinality(self):
+        return ops.UNKNOWN if self.reader.compression is not None else self.length
+
+    def sequential(self, it):
+        return self.reader._records()
+
+
 class TFRecordFiles(RecordFiles):
     """The records of one or more TFRecord files, numbered across the files in order."""
 
@@ -91,8 +119,8 @@ class TFRecordFiles(RecordFiles):
         self._offsets: List[Optional[np.ndarray]] = [None] * len(self.files)
         self._cursor = None     # compressed files: (file index, next record, stream)
         self._starts = None
-        Dataset.__init__(self, self._records)
-
+        self.views = [view_of(path) for path in self.files]  # agreed by distributed datasets
+        Dataset.__init__(self, node=_TFRecordSource(self))
     # -- the index ------------------------------------------------------------------
     def offsets(self, file_index: int) -> np.ndarray:
         """Byte offsets of file ``file_index``'s records, then its end (indexed on demand)."""
@@ -239,30 +267,15 @@ class TFRecordFiles(RecordFiles):
         for records in self._chunks():
             yield from records
 
-    def batch(self, batch_size: int, drop_remainder: bool = False) -> "TFRecordBatches":
-        """Batches of records (1-D object arrays of ``bytes``)."""
-        return TFRecordBatches(self, batch_size, drop_remainder)
-
-
-class TFRecordBatches(BatchedRecords):
-    """``TFRecordDataset(...).batch(B)``: read in one pass when not distributed (no index)."""
-
-    def _batches(self):
-        pending: List[bytes] = []
-        size = self._batch_size
-        for records in self.source._chunks():
-            pending = pending + records if pending else records
-            full = len(pending) - len(pending) % size
-            for start in range(0, full, size):
-                yield _records_array(pending[start:start + size])
-            pending = pending[full:]
-        if pending and not self._drop_remainder:
-            yield _records_array(pending)
-
-    def with_options(self, options) -> "TFRecordBatches":
-        copy = TFRecordBatches(self.source, self._batch_size, self._drop_remainder)
-        copy._options = options
-        return copy
+    def _read_file_set(self, file_index: int, rows: np.ndarray) -> np.ndarray:
+        """Sorted, distinct ``rows`` of one file: one read per run of consecutive rows."""
+        if self.compression is not None:
+            first, stop = int(rows[0]), int(rows[-1]) + 1
+            return self.read_file_rows(file_index, first, stop)[rows - first]
+        starts, lengths = runs_of(rows)
+        parts = [self.read_file_rows(file_index, int(a), int(a + n))
+                 for a, n in zip(starts, lengths)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def TFRecordDataset(filenames, compression_type: Optional[str] = None,

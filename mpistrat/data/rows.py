@@ -33,6 +33,14 @@ def _stack(*parts: Any) -> np.ndarray:
     return np.stack(parts)
 
 
+def _row(leaf: Any, i: int) -> Any:
+    """Row ``i`` of a stacked leaf: a view, or the object itself for a 1-D object array
+    (records come out as ``bytes``, as tf.data's strings do through ``as_numpy_iterator``)."""
+    if getattr(leaf, "dtype", None) == object and leaf.ndim == 1:
+        return leaf[i]
+    return leaf[i, ...]
+
+
 def stack_elements(elements: Sequence[Any]) -> Any:
     """One batch from a list of elements of one structure (``ValueError`` if shapes differ)."""
     try:
@@ -68,7 +76,7 @@ class Rows:
         if self.items is not None:
             return self.items
         leaves = nest.flatten(self.stacked)
-        return [nest.pack_sequence_as(self.stacked, [leaf[i, ...] for leaf in leaves])
+        return [nest.pack_sequence_as(self.stacked, [_row(leaf, i) for leaf in leaves])
                 for i in range(self.count)]
 
     def stack(self) -> Any:

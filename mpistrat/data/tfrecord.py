@@ -14,14 +14,17 @@ every record checked (``DataLossError`` naming file and offset); parse them with
     >>> [len(b) for b in ms.data.TFRecordDataset([path, path]).batch(4)]
     [4, 4, 2]
 
-Under ``strategy.experimental_distribute_dataset`` it is a file-based source like
-``FixedLengthRecordDataset``: ``FILE`` deals files to ranks; ``DATA`` has each rank read
-only its own records of every global batch, one read per batch and file, through an index
-of record offsets made once per file (by one rank, shared with the others, cached beside
-the file or in ``index_dir``, rebuilt when the file changes); ``AUTO`` picks ``FILE`` when
-there are at least as many files as ranks. Compressed files (``"GZIP"``, ``"ZLIB"``) cannot
-be read from the middle: under ``DATA`` every rank decompresses each file and keeps its
-records (TensorFlow reads everything on every worker too).
+Plain (uncompressed) files have random access through an index of record offsets, made
+once per file at the first read (a scan of the record headers), cached beside the file or in
+``index_dir`` and rebuilt when the file changes: ``global_shuffle``, seekable positions and
+the distributed layouts work as on the other readers. Under
+``strategy.experimental_distribute_dataset``, ``FILE`` deals files to ranks; ``DATA`` has
+each rank read only its own records of every global batch (one read per run of them), each
+file indexed by one rank and the offsets shared with the others; ``AUTO`` picks ``FILE``
+when there are at least as many files as ranks. Compressed files (``"GZIP"``, ``"ZLIB"``)
+cannot be read from the middle: they are read forward, and under ``DATA`` every rank
+decompresses each file and keeps its records (TensorFlow reads everything on every worker
+too).
 """
 
 import os
@@ -33,7 +36,7 @@ from mpi4py import MPI
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.data import ops
 from mpistrat.data.dataset import Dataset
-from mpistrat.data.mpiio import runs_of
+from mpistrat.data.mpiio import read_runs, runs_of
 from mpistrat.data.options import AutoShardPolicy
 from mpistrat.data.readers import RecordFiles, view_of
 from mpistrat.errors import DataLossError, NotFoundError
@@ -215,20 +218,34 @@ class TFRecordFiles(RecordFiles):
         if stop > len(offsets) - 1:
             raise ValueError(f"records [{first}, {stop}) of {self.files[file_index]}, which "
                              f"holds {len(offsets) - 1}")
-        start, end = int(offsets[first]), int(offsets[stop])
-        buffer = bytearray(end - start)
-        view = memoryview(buffer)
-        handle = self._handle(file_index)
-        for lo in range(0, len(buffer), _MAX_READ):
-            part = view[lo:lo + _MAX_READ]
-            status = MPI.Status()
-            handle.Read_at(start + lo, part, status)
-            if status.Get_count(MPI.BYTE) != len(part):
-                raise DataLossError(f"{self.files[file_index]}: short read at offset "
-                                    f"{start + lo} (the file was truncated after indexing?)")
-        self.bytes_read += len(buffer)
-        return _records_array(split_records(buffer, start, offsets[first:stop],
-                                            self.files[file_index]))
+        return self._read_runs(file_index, np.array([first]), np.array([stop - first]))
+
+    def _read_runs(self, file_index: int, firsts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """The records of runs ``(firsts, lengths)`` of one plain file, in order: their bytes
+        in one MPI-IO call per ``RUNS_PER_CALL`` runs (pieces of at most 1 GiB), then split
+        and checked."""
+        offsets, path = self.offsets(file_index), self.files[file_index]
+        byte_starts, byte_ends = offsets[firsts], offsets[firsts + lengths]
+        pieces = [(int(a), int(b - a)) for a, b in zip(byte_starts, byte_ends)]
+        out: List[bytes] = []
+        group: List[tuple] = []
+        for k, piece in enumerate(pieces + [None]):
+            if piece is not None and (not group or sum(g[1] for g in group) + piece[1]
+                                      <= _MAX_READ):
+                group.append(piece + (k,))
+                continue
+            starts = np.array([a for a, _, _ in group], np.int64)
+            sizes = np.array([n for _, n, _ in group], np.int64)
+            block = read_runs(self._handle(file_index), 0, 1, starts, sizes)
+            self.bytes_read += block.nbytes
+            position = 0
+            for a, n, run in group:
+                first = int(firsts[run])
+                out.extend(split_records(block[position:position + n], a,
+                                         offsets[first:first + int(lengths[run])], path))
+                position += n
+            group = [] if piece is None else [piece + (k,)]
+        return _records_array(out)
 
     def _stream_rows(self, file_index: int, first: int, stop: int) -> List[bytes]:
         """Compressed files read forward: continue the last stream when it is at ``first``
@@ -272,10 +289,7 @@ class TFRecordFiles(RecordFiles):
         if self.compression is not None:
             first, stop = int(rows[0]), int(rows[-1]) + 1
             return self.read_file_rows(file_index, first, stop)[rows - first]
-        starts, lengths = runs_of(rows)
-        parts = [self.read_file_rows(file_index, int(a), int(a + n))
-                 for a, n in zip(starts, lengths)]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return self._read_runs(file_index, *runs_of(rows))
 
 
 def TFRecordDataset(filenames, compression_type: Optional[str] = None,

@@ -26,6 +26,7 @@ there (``HASH-NAME.mpistrat-index``, the hash of the data file's absolute path):
 
 import hashlib
 import os
+import secrets
 import struct
 from typing import Optional
 
@@ -100,11 +101,13 @@ def save_index(path: str, compression: Optional[str], index_dir: Optional[str],
     head = _MAGIC + _FIELDS.pack(_VERSION, size, mtime, _CODES[compression], len(offsets) - 1,
                                  0)  # the last field is reserved
     body = np.asarray(offsets, dtype="<i8").tobytes()
-    tmp = f"{cache}.tmp-{os.getpid()}"
+    tmp = f"{cache}.tmp-{secrets.token_hex(8)}"
     try:
         if index_dir is not None:
             os.makedirs(index_dir, exist_ok=True)
-        with open(tmp, "wb") as handle:
+        # a fresh name, never through a planted link
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as handle:
             handle.write(head + body + struct.pack("<I", crc32c(head + body)))
         os.replace(tmp, cache)
         return True

@@ -257,7 +257,8 @@ from tests.unit.test_tf_checkpoint_files import CHECKPOINTS, REPORT as TENSORS, 
 checked = 0
 for name in sorted(k for k in REPORT if k.startswith("records/")):
     info = REPORT[name]
-    records = list(ms.data.TFRecordDataset(str(DATA / name), info["compression"]))
+    records = list(ms.data.TFRecordDataset(str(DATA / name), info["compression"],
+                                           index_dir=sys.argv[1]))
     assert [r.hex() for r in records] == info["records"], name
     for record, want in zip(records, info["parsed"]):
         if want is not None:
@@ -275,7 +276,7 @@ print(checked)
 def test_pure_python_fallbacks_read_the_same(tmp_path):
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    result = subprocess.run([sys.executable, "-c", _FALLBACK], cwd=root, env=env,
+    result = subprocess.run([sys.executable, "-c", _FALLBACK, str(tmp_path)], cwd=root, env=env,
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert int(result.stdout.split()[-1]) > 100

@@ -3,7 +3,6 @@ iteration, global_shuffle's semantics, TensorFlow names, bfloat16, and a resume 
 dataset that costs about one batch."""
 
 import os
-import time
 
 import ml_dtypes
 import numpy as np
@@ -172,32 +171,28 @@ def _write_sparse(path, records, record_bytes):
 
 def test_resuming_late_in_a_huge_dataset_costs_about_one_batch(tmp_path):
     """A reader over 64 GiB (sparse) and a range of 2**40 rows, globally shuffled: the first
-    batch after restoring at step 2**31 takes about what the first batch of epoch 0 takes."""
+    batch after restoring at step 2**31 reads what the first batch of epoch 0 reads (no
+    replay of the steps before it). Work is counted, not timed: this machine is noisy."""
     path = str(tmp_path / "huge.bin")
     _write_sparse(path, 1 << 24, 4096)                        # 16 M records of 4 KiB
     strategy = ms.MultiWorkerMirroredStrategy()
 
-    def pipeline():
+    def first_batch_bytes(step):
         reader = ms.data.FixedLengthRecordDataset([path], 4096)
         labels = Dataset.range(1 << 40).global_shuffle(seed=2)
         rows = Dataset.zip((reader.global_shuffle(seed=1).repeat(), labels))
-        return strategy.experimental_distribute_dataset(
-            rows.map(lambda x, y: (x[:, :8].astype(np.float32), y), vectorized=True).batch(256))
-
-    def first_batch_seconds(step):
-        iterator = iter(pipeline())
+        iterator = iter(strategy.experimental_distribute_dataset(
+            rows.map(lambda x, y: (x[:, :8].astype(np.float32), y), vectorized=True).batch(256)))
         if step:
             state = {"epoch": np.array(3), "steps": np.array(step), "seed": np.array(0),
                      "replicas": np.array(1), "policy": np.array(2)}
             ckpt_dir = tmp_path / f"at-{step}"
             ms.Checkpoint(iterator=state).write(str(ckpt_dir / "pos"))
             ms.Checkpoint(iterator=iterator).read(str(ckpt_dir / "pos")).assert_consumed()
-        start = time.perf_counter()
         batch = next(iterator)
-        seconds = time.perf_counter() - start
         assert batch[0].values[0].shape == (256, 8)
-        return seconds
+        return reader.bytes_read
 
-    fresh = min(first_batch_seconds(0) for _ in range(3))
-    late = min(first_batch_seconds((1 << 31) + 17) for _ in range(2))
-    assert late < 5 * fresh + 0.05, (fresh, late)
+    fresh = first_batch_bytes(0)
+    late = first_batch_bytes((1 << 31) + 17)
+    assert 0 < late <= fresh, (fresh, late)

@@ -138,6 +138,9 @@ def _batches(entries: Dict[str, BundleEntry]) -> List[List[str]]:
     return [b for b in batches if b]
 
 
+read_counts = {"bytes": 0}   # value bytes this process read from bundle files (MPI-IO)
+
+
 def read_collective(entries: Dict[str, BundleEntry], engine):
     """Every value of ``entries`` (path -> entry) on every rank, each read once (collective);
     yields them in dicts of about 64 MiB.
@@ -156,6 +159,7 @@ def read_collective(entries: Dict[str, BundleEntry], engine):
                 for path, reader in zip(batch, readers):
                     if reader == engine.rank:
                         _read_at(entries[path], raws[path], handles)
+                        read_counts["bytes"] += raws[path].nbytes
             except (DataLossError, NotFoundError, OSError) as err:
                 failure = Failure(err, engine.rank, "reading a TensorFlow checkpoint")
             agree_errors(engine, failure, "restoring a TensorFlow checkpoint")

@@ -20,7 +20,7 @@ summary() {  # the counts in pytest's closing line of log $1
 JOB_TESTS="tests/launcher/test_train_job.py tests/launcher/test_train_deterministic.py tests/launcher/test_preemption.py tests/launcher/test_slurm_templates.py"
 
 echo "=== single-process tests (unit, launcher; then GPU tests, which skip without a GPU)"
-timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=300 --timeout-method=thread \
+timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no -p no:cacheprovider --durations=12 --timeout=300 --timeout-method=thread \
     $(for t in $JOB_TESTS; do echo "--ignore=$t"; done) \
     tests/unit tests/launcher 2>&1 | tee "$logs/single.log" || failed_runs="$failed_runs single"
 
@@ -101,7 +101,7 @@ done
 echo "=== multi-host tests (namespace cluster: mpirun over the agent, srun --mpi=pmix, sbatch)"
 trap 'scripts/cluster down >/dev/null 2>&1 || true' EXIT
 MPISTRAT_TEST_LOGS=$PWD/$logs timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no \
-    -p no:cacheprovider --timeout=600 --timeout-method=thread -rxXs tests/cluster 2>&1 \
+    -p no:cacheprovider --durations=12 --timeout=600 --timeout-method=thread -rxXs tests/cluster 2>&1 \
     | grep -av '^\[Gloo\]' | tee "$logs/cluster.log" || failed_runs="$failed_runs cluster"
 scripts/cluster down >/dev/null 2>&1 || true
 

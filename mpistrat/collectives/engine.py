@@ -21,12 +21,13 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat import nest
 from mpistrat.collectives.backends import select_backend
 from mpistrat.collectives.deadline import Deadline, wait_all
+from mpistrat.collectives.dtypes import dtype_code, refusal
 from mpistrat.collectives.options import CommunicationImplementation, CommunicationOptions
-from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
+from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.collectives.reproducible import deterministic_default, exact_sum
+from mpistrat.collectives.structure import flatten, leaf_names
 from mpistrat.collectives.topology import comm_topology
 from mpistrat.collectives.validation import (PAYLOAD_SLOTS, Probe, agree, start_agree,
                                              validation_enabled)
@@ -78,14 +79,33 @@ def _signature(arrays) -> tuple:
     kinds = [array_kind(a) for a in arrays]
     if all(kind == "numpy" for kind in kinds):
         return signature
-    return tuple((dtype if kind == "numpy" else f"{np.dtype(dtype).str}@{kind}", tuple(shape))
+    return tuple((dtype if kind == "numpy" else f"{dtype_code(dtype)}@{kind}", tuple(shape))
                  for kind, (dtype, shape) in zip(kinds, signature))
 
 
 def _dtype_key(array) -> str:
-    """A dtype as NumPy's short code, with the kind of a device array."""
-    return array.dtype.str if type(array) is np.ndarray else \
-        f"{array.dtype.str}@{array_kind(array)}".replace("@numpy", "")
+    """A dtype as NumPy's short code (``dtypes.dtype_code``), with the kind of a device array."""
+    return dtype_code(array.dtype) if type(array) is np.ndarray else \
+        f"{dtype_code(array.dtype)}@{array_kind(array)}".replace("@numpy", "")
+
+
+def _refuse(what: str, arrays, op: Optional[ReduceOp], value: Any) -> None:
+    """``TypeError`` naming the first tensor this collective cannot take (``op``: a reduction;
+    ``None``: a gather or broadcast, which moves bits). Runs after the ranks agreed on the
+    signature (dtypes and op), so every rank raises together, before any data moves."""
+    for index, array in enumerate(arrays):
+        dtype = array.dtype
+        if op is None:
+            if dtype.kind != "O":
+                continue
+            why = f"{dtype} values cannot travel in a collective; pass arrays of numbers"
+        else:
+            why = refusal(dtype, op)
+            if why is None:
+                continue
+        names = leaf_names(value)
+        name = names[index] if len(names) == len(arrays) else f"tensor {index}"
+        raise TypeError(f"{what}: {name}: {why}")
 
 
 _ALL_REDUCE_WHAT = {op: f"all_reduce {op.name}" for op in ReduceOp}
@@ -184,13 +204,13 @@ class CollectiveEngine:
                 self._record(_ALL_REDUCE_WHAT[op], start, (result,))
             return result
         flat = (kind is list or kind is tuple) and set(map(type, value)) <= _NDARRAY_ONLY
-        nested = not flat and isinstance(value, (dict, list, tuple))
         if flat:  # a plain list or tuple of NumPy arrays: no flattening, no conversion
-            arrays = value
-        else:
-            arrays = [_as_array(v) for v in nest.flatten(value)] if nested else [_as_array(value)]
+            arrays, rebuild = value, None
+        else:      # any nest or JAX pytree (collectives/structure.py)
+            leaves, rebuild = flatten(value)
+            arrays = [_as_array(v) for v in leaves]
         if op in _EXACT and self.is_deterministic(options):
-            results = self._exact(arrays, op, None, options)[0]
+            results = self._exact(arrays, op, None, options, value)[0]
         else:
             what = _ALL_REDUCE_WHAT[op]
             signature = _signature(arrays)
@@ -199,6 +219,7 @@ class CollectiveEngine:
                 results = [self._fold_small(op, arrays[0], signature)]
             else:
                 opts, deadline = self._begin(what, signature, options)
+                _refuse(what, arrays, op, value)
                 if flat:
                     if timeline.ON:
                         self._backend_name = _HOST_BACKEND.name
@@ -211,7 +232,7 @@ class CollectiveEngine:
             self._record(_ALL_REDUCE_WHAT[op], start, arrays)
         if flat:
             return results if kind is list else tuple(results)
-        return nest.pack_sequence_as(value, results) if nested else results[0]
+        return rebuild(results)
 
     # -- the validated small SUM: the probe carries the values (validation.Probe) --------
     def _folds(self, options: Optional[CommunicationOptions] = None) -> bool:
@@ -258,22 +279,24 @@ class CollectiveEngine:
             options is not None and options.deterministic)
 
     def exact_sum(self, arrays: List, axis: Optional[int],
-                  options: Optional[CommunicationOptions] = None):
-        """Reproducible SUM over ranks of ``arrays``, element-wise or of all rows along
-        ``axis``: ``(sums, global summand counts)`` (see ``reproducible``)."""
+                  options: Optional[CommunicationOptions] = None, op="SUM"):
+        """Reproducible SUM (or MEAN) over ranks of ``arrays``, element-wise or of all rows
+        along ``axis``: ``(results, global summand counts)`` (see ``reproducible``); results
+        keep each array's dtype and kind."""
         start = timeline.begin() if timeline.ON else None
         arrays = [_as_array(a) for a in arrays]
-        out = self._exact(arrays, ReduceOp.SUM, axis, options)
+        out = self._exact(arrays, ReduceOp.from_any(op), axis, options, arrays)
         if start is not None:
             self._record(f"exact sum axis={axis}", start, arrays)
         return out
 
-    def _exact(self, arrays, op, axis, options):
+    def _exact(self, arrays, op, axis, options, value):
         what = f"deterministic {_ALL_REDUCE_WHAT[op]} axis={axis}"
-        signature = tuple((a.dtype.str, tuple(-1 if axis is not None and d == axis % a.ndim
-                                              else n for d, n in enumerate(a.shape)))
-                          for a in arrays)
+        signature = tuple((dtype_code(a.dtype), tuple(
+            -1 if axis is not None and d == axis % a.ndim else n for d, n in enumerate(a.shape)))
+            for a in arrays)
         opts, deadline = self._begin(what, signature, options)
+        _refuse(what, arrays, op, value)
         kinds = {array_kind(a) for a in arrays}
         hosts = [to_host(a) if array_kind(a) != "numpy" else a for a in arrays]
 
@@ -281,9 +304,8 @@ class CollectiveEngine:
             return self._run(what, wires, opts, lambda backend, idx: backend.all_reduce(
                 self.comm, [wires[i] for i in idx], ReduceOp.SUM, opts, deadline))
 
-        sums, counts = self._guard(exact_sum, self.comm, hosts, axis, sum_across, deadline)
-        if op is ReduceOp.MEAN:
-            sums = [_divided(s, c) for s, c in zip(sums, counts)]
+        sums, counts = self._guard(exact_sum, self.comm, hosts, axis, sum_across, deadline,
+                                   op is ReduceOp.MEAN)
         if kinds != {"numpy"}:
             sums = [from_host(s, a) if array_kind(a) != "numpy" else s
                     for s, a in zip(sums, arrays)]
@@ -302,12 +324,14 @@ class CollectiveEngine:
         ``InvalidArgumentError`` (a ``ValueError``) on every rank, naming ranks.
         """
         start = timeline.begin() if timeline.ON else None
-        arrays = [_as_array(v) for v in nest.flatten(value)]
+        leaves, rebuild = flatten(value)
+        arrays = [_as_array(v) for v in leaves]
         what = f"all_gather axis={axis}"
         masked = tuple((_dtype_key(a),
                         tuple(-1 if d == _axis_or_none(axis, a.ndim) else n
                               for d, n in enumerate(a.shape))) for a in arrays)
         opts, deadline = self._begin(what, masked, options)
+        _refuse(what, arrays, None, value)
         for index, array in enumerate(arrays):
             if array.ndim == 0:
                 raise InvalidArgumentError(
@@ -323,7 +347,7 @@ class CollectiveEngine:
             _axis_or_none(axis, arrays[idx[0]].ndim), deadline))
         if start is not None:
             self._record(what, start, results)
-        return nest.pack_sequence_as(value, results)
+        return rebuild(results)
 
     def _gather_counts(self, what, arrays, axis, deadline) -> List[List[int]]:
         """Rows along ``axis`` of every tensor on every rank: ``counts[tensor][rank]``."""
@@ -339,14 +363,16 @@ class CollectiveEngine:
                   options: Optional[CommunicationOptions] = None) -> Any:
         """Every rank receives ``root``'s ``value`` (same structure, shapes and dtypes)."""
         start = timeline.begin() if timeline.ON else None
-        arrays = [_as_array(v) for v in nest.flatten(value)]
+        leaves, rebuild = flatten(value)
+        arrays = [_as_array(v) for v in leaves]
         what = f"broadcast root={root}"
         opts, deadline = self._begin(what, _signature(arrays), options)
+        _refuse(what, arrays, None, value)
         results = self._run(what, arrays, opts, lambda backend, idx: backend.broadcast(
             self.comm, [arrays[i] for i in idx], root, deadline))
         if start is not None:
             self._record(what, start, arrays)
-        return nest.pack_sequence_as(value, results)
+        return rebuild(results)
 
     def agree(self, what: str, signature: tuple,
               options: Optional[CommunicationOptions] = None) -> None:
@@ -379,13 +405,6 @@ class CollectiveEngine:
         """Wait until every rank has arrived (honours the timeout)."""
         _, deadline = self._begin("barrier", (), options)
         self._guard(wait_all, [self.comm.Ibarrier()], deadline, "barrier")
-
-
-def _divided(total, count: int):
-    """MEAN from a SUM over ``count`` summands (integers truncate, as TensorFlow's ``Div``)."""
-    result = np.array(total, copy=True)
-    divide_for_mean(result, count)
-    return result
 
 
 def _nothing() -> None:

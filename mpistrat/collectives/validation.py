@@ -25,6 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.collectives.deadline import Deadline, wait_all
+from mpistrat.collectives.dtypes import dtype_code
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.runtime import settings
 
@@ -69,15 +70,21 @@ def _dtype_name(code: str) -> str:
         name = np.dtype(head).name
     except TypeError:
         return code
+    if not np.dtype(head).isnative:
+        name += f" ({head[0]} byte order)"
     return f"{name} {note}" if note else name
 
 
 def _describe_tensor(entry) -> str:
+    """``float64[3]``, ``float64[?,3]`` (rows may differ), ``float32[2] (jax array)``."""
     if entry is None:
         return "nothing"
     dtype, shape = entry
-    dtype = _dtype_name(dtype)
-    return f"{dtype}[{','.join('?' if d < 0 else str(d) for d in shape)}]"
+    dtype, _, kind = dtype.partition("@")
+    kind, _, note = kind.partition(" ")
+    dtype = _dtype_name(dtype + (f" {note}" if note else ""))
+    text = f"{dtype}[{','.join('?' if d < 0 else str(d) for d in shape)}]"
+    return f"{text} ({kind} array)" if kind else text
 
 
 def describe_mismatch(what: str, signatures: Sequence[Signature]) -> str:
@@ -205,7 +212,7 @@ class Probe:
 
 def _plain(signature) -> Signature:
     """Entries as ``(dtype string, shape)``, whichever dtype form the caller used."""
-    return tuple((d if isinstance(d, str) else np.dtype(d).str, tuple(s)) for d, s in signature)
+    return tuple((d if isinstance(d, str) else dtype_code(d), tuple(s)) for d, s in signature)
 
 
 def _raise_mismatch(comm: MPI.Comm, what: str, signature: Signature, timed: bool) -> None:

@@ -211,8 +211,18 @@ class StagedHostMPI(Backend):
         return [from_host(r, like) for r, like in zip(results, arrays)]
 
 
+_CUPY_CHARS = frozenset("?bBhHiIlLqQefdFD")  # dtypes CuPy holds (not bfloat16 or float8)
+
+
 def on_cuda(array) -> bool:
-    """Whether ``array`` is CUDA memory CuPy can take (CuPy arrays, JAX GPU arrays, others)."""
+    """Whether ``array`` is CUDA memory CuPy can take (CuPy arrays, JAX GPU arrays, others).
+
+    A JAX GPU array of a dtype CuPy lacks (bfloat16, float8) is not: it is copied whole
+    to the host, where ``dtypes.accumulator`` widens it."""
+    dtype = getattr(array, "dtype", None)
+    if dtype is not None and (np.dtype(dtype).char not in _CUPY_CHARS
+                              or not np.dtype(dtype).isnative):
+        return False
     kind = array_kind(array)
     if kind in ("cupy", "cuda"):
         return True

@@ -1,0 +1,136 @@
+"""Which dtypes each collective takes, and the dtype each one travels and combines in.
+
+MPI reduces only its own types. Everything else is decided here, in one place:
+
+* ``accumulator(dtype, op)``: the dtype a reduction combines in. Half precision,
+  bfloat16 and every ``ml_dtypes`` float8/float6/float4 type combine in float32
+  and are rounded once, at the end; integer ``MEAN`` sums in 64 bits (so 200 + 200
+  + 200 in uint8 averages to 200, not to a wrapped 88 / 3); ``ml_dtypes`` small
+  integers (int4, int2, ...) combine in int64; bool travels as bytes (``MIN``/``MAX``
+  only); a non-native byte order travels native. The result always comes back in
+  the input's dtype: integer ``MEAN`` truncates toward zero (TensorFlow's ``Div``),
+  integer ``SUM`` wraps as NumPy's arithmetic in that dtype does.
+* ``refusal(dtype, op)``: why a reduction cannot take a dtype (``None`` if it can):
+  complex ``MIN``/``MAX`` (no order a reduction could use), bool ``SUM``/``MEAN``,
+  strings, bytes, objects, datetimes and structured records.
+* ``raw_bits(dtype)``: the dtype a gather or broadcast moves bit for bit (types MPI
+  lacks move as unsigned integers of their size, other fixed-size types as bytes).
+* ``dtype_code(dtype)``: a short name every rank spells alike (``'<f4'``,
+  ``'bfloat16'``): ``dtype.str`` alone cannot tell the float8 types apart.
+
+    >>> import numpy as np, ml_dtypes
+    >>> from mpistrat.collectives.dtypes import accumulator, refusal, dtype_code
+    >>> from mpistrat.collectives.reduce_op import ReduceOp
+    >>> accumulator(np.dtype(ml_dtypes.bfloat16), ReduceOp.SUM)
+    dtype('float32')
+    >>> accumulator(np.dtype(np.uint8), ReduceOp.MEAN)
+    dtype('uint64')
+    >>> refusal(np.dtype(np.complex64), ReduceOp.MAX)[:40]
+    'ReduceOp.MAX has no order for complex va'
+    >>> dtype_code(np.dtype(ml_dtypes.float8_e4m3fn))
+    'float8_e4m3fn'
+"""
+
+import functools
+from typing import Optional
+
+import numpy as np
+
+from mpistrat.collectives.reduce_op import ReduceOp
+
+__all__ = ["accumulator", "refusal", "raw_bits", "dtype_code", "is_low_float", "is_small_int",
+           "MPI_CHARS", "check_reducible", "MEAN_DTYPE_RULE"]
+
+MPI_CHARS = frozenset("?bBhHiIlLqQfdgFDG")  # NumPy types MPI moves and reduces natively
+_F32 = np.dtype(np.float32)
+_UNSIGNED = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32),
+             8: np.dtype(np.uint64)}
+_REFUSED_KINDS = {"O": "Python objects", "U": "strings", "S": "bytes", "M": "datetimes",
+                  "m": "time deltas"}
+MEAN_DTYPE_RULE = ("MEAN returns the input's dtype: floats divide in float32 or wider and round "
+                   "once; integers sum in 64 bits and truncate toward zero")
+
+
+def _from_ml_dtypes(dtype: np.dtype) -> bool:
+    return getattr(dtype.type, "__module__", "") == "ml_dtypes"
+
+
+def is_low_float(dtype: np.dtype) -> bool:
+    """float16, bfloat16 and the ``ml_dtypes`` float8/6/4 types: MPI reduces none of them."""
+    if dtype.char == "e":
+        return True
+    return _from_ml_dtypes(dtype) and "float" in dtype.name
+
+
+def is_small_int(dtype: np.dtype) -> bool:
+    """The ``ml_dtypes`` sub-byte integers (int4, uint4, int2, ...)."""
+    return _from_ml_dtypes(dtype) and "int" in dtype.name and "float" not in dtype.name
+
+
+def dtype_code(dtype) -> str:
+    """``dtype.str``, or the name for ``ml_dtypes`` types (whose ``str`` is ``'<V1'``/``'<V2'``)."""
+    dtype = np.dtype(dtype)
+    return dtype.name if _from_ml_dtypes(dtype) else dtype.str
+
+
+@functools.lru_cache(maxsize=512)
+def refusal(dtype: np.dtype, op: ReduceOp) -> Optional[str]:
+    """Why ``op`` cannot reduce ``dtype`` values (``None`` when it can)."""
+    kind = dtype.kind
+    if kind in _REFUSED_KINDS:
+        return f"ReduceOp.{op.name} cannot combine {_REFUSED_KINDS[kind]} ({dtype})"
+    if kind == "V" and not (is_low_float(dtype) or is_small_int(dtype)):
+        return f"ReduceOp.{op.name} cannot combine structured or raw records ({dtype})"
+    if kind == "c" and op in (ReduceOp.MIN, ReduceOp.MAX):
+        return (f"ReduceOp.{op.name} has no order for complex values ({dtype}); reduce the "
+                f"real and imaginary parts, or abs(), instead")
+    if kind == "b" and op in (ReduceOp.SUM, ReduceOp.MEAN):
+        return f"ReduceOp.{op.name} does not apply to bool tensors; use MIN or MAX"
+    return None
+
+
+@functools.lru_cache(maxsize=512)
+def accumulator(dtype: np.dtype, op: Optional[ReduceOp]) -> np.dtype:
+    """The dtype ``op`` combines ``dtype`` values in across ranks (see the module docstring).
+
+    ``TypeError`` for what ``refusal`` refuses.
+    """
+    why = refusal(dtype, op) if op is not None else None
+    if why is not None:
+        raise TypeError(why)
+    if dtype.char == "?":
+        return _UNSIGNED[1]
+    if is_low_float(dtype):
+        return _F32
+    if is_small_int(dtype):
+        return np.dtype(np.uint64 if dtype.name.startswith("u") else np.int64)
+    if op is ReduceOp.MEAN and dtype.kind in "iu" and dtype.itemsize < 8:
+        return np.dtype(np.int64 if dtype.kind == "i" else np.uint64)
+    if not dtype.isnative:
+        return dtype.newbyteorder("=")
+    return dtype
+
+
+def raw_bits(dtype: np.dtype) -> np.dtype:
+    """The dtype that moves ``dtype`` values unchanged (gathers, broadcasts): the dtype itself
+    where MPI has it, else unsigned integers of its size, else bytes (then the caller views
+    each element as ``itemsize`` bytes). ``TypeError`` for Python objects."""
+    if dtype.kind == "O":
+        raise TypeError("Python objects (dtype object) cannot travel in a collective; pass "
+                        "arrays of numbers (use broadcast_object for small metadata)")
+    if dtype.char in MPI_CHARS and dtype.isnative:
+        return dtype
+    return _UNSIGNED.get(dtype.itemsize, _UNSIGNED[1])
+
+
+def check_reducible(what: str, arrays, op: ReduceOp, names=None) -> None:
+    """``TypeError`` naming the first tensor ``op`` cannot reduce (``names[i]`` its path).
+
+    Callers run it after the ranks agreed on the signature (dtypes and op), so every
+    rank raises the same error together and none enters the collective alone.
+    """
+    for index, array in enumerate(arrays):
+        why = refusal(np.dtype(array.dtype), op)
+        if why is not None:
+            name = names[index] if names is not None else f"tensor {index}"
+            raise TypeError(f"{what}: {name}: {why}")

@@ -39,6 +39,7 @@ import numpy as np
 from mpistrat.collectives.reduce_op import ReduceOp
 
 __all__ = ["accumulator", "refusal", "raw_bits", "dtype_code", "is_low_float", "is_small_int",
+           "is_foreign",
            "MPI_CHARS", "check_reducible", "MEAN_DTYPE_RULE"]
 
 MPI_CHARS = frozenset("?bBhHiIlLqQfdgFDG")  # NumPy types MPI moves and reduces natively
@@ -53,6 +54,12 @@ MEAN_DTYPE_RULE = ("MEAN returns the input's dtype: floats divide in float32 or 
 
 def _from_ml_dtypes(dtype: np.dtype) -> bool:
     return getattr(dtype.type, "__module__", "") == "ml_dtypes"
+
+
+def is_foreign(dtype) -> bool:
+    """An ``ml_dtypes`` type: its one-letter code may be one of NumPy's own (``'L'``, ``'G'``),
+    so a dtype's ``char`` alone never says MPI, CuPy or NCCL can take it."""
+    return _from_ml_dtypes(np.dtype(dtype))
 
 
 def is_low_float(dtype: np.dtype) -> bool:
@@ -118,8 +125,8 @@ def raw_bits(dtype: np.dtype) -> np.dtype:
     if dtype.kind == "O":
         raise TypeError("Python objects (dtype object) cannot travel in a collective; pass "
                         "arrays of numbers (use broadcast_object for small metadata)")
-    if dtype.char in MPI_CHARS and dtype.isnative:
-        return dtype
+    if dtype.char in MPI_CHARS and dtype.isnative and not _from_ml_dtypes(dtype):
+        return dtype  # (ml_dtypes reuse NumPy's letters: float8_e4m3b11fnuz is 'L')
     return _UNSIGNED.get(dtype.itemsize, _UNSIGNED[1])
 
 

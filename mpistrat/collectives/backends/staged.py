@@ -21,6 +21,7 @@ import numpy as np
 
 from mpistrat.collectives.backends.base import Backend, PlanCache, options_of, wire_dtype
 from mpistrat.collectives.backends.host import HostMPI, host_allreduce
+from mpistrat.collectives.dtypes import is_foreign
 from mpistrat.collectives.backends.pipeline import (STAGE_CHUNK_BYTES, HostBufferPool,
                                                     chunk_ranges, run_pipeline)
 from mpistrat.collectives.options import CommunicationImplementation
@@ -220,7 +221,7 @@ def on_cuda(array) -> bool:
     A JAX GPU array of a dtype CuPy lacks (bfloat16, float8) is not: it is copied whole
     to the host, where ``dtypes.accumulator`` widens it."""
     dtype = getattr(array, "dtype", None)
-    if dtype is not None and (np.dtype(dtype).char not in _CUPY_CHARS
+    if dtype is not None and (np.dtype(dtype).char not in _CUPY_CHARS or is_foreign(dtype)
                               or not np.dtype(dtype).isnative):
         return False
     kind = array_kind(array)

@@ -39,7 +39,7 @@ import numpy as np
 from mpistrat.collectives.reduce_op import ReduceOp
 
 __all__ = ["accumulator", "refusal", "raw_bits", "dtype_code", "is_low_float", "is_small_int",
-           "is_foreign",
+           "is_foreign", "to_wire", "from_wire",
            "MPI_CHARS", "check_reducible", "MEAN_DTYPE_RULE"]
 
 MPI_CHARS = frozenset("?bBhHiIlLqQfdgFDG")  # NumPy types MPI moves and reduces natively
@@ -141,3 +141,44 @@ def check_reducible(what: str, arrays, op: ReduceOp, names=None) -> None:
         if why is not None:
             name = names[index] if names is not None else f"tensor {index}"
             raise TypeError(f"{what}: {name}: {why}")
+
+
+def _is_bfloat16(dtype: np.dtype) -> bool:
+    return dtype.name == "bfloat16" and _from_ml_dtypes(dtype)
+
+
+def to_wire(array: np.ndarray, wire: np.dtype) -> np.ndarray:
+    """``array`` as a contiguous ``wire`` buffer. bfloat16 widens by a bit shift (its bits
+    are float32's upper half: exact, about twice as fast as ``astype``)."""
+    if wire == _F32 and _is_bfloat16(array.dtype):
+        out = np.empty(array.shape, np.uint32)
+        bits = np.ascontiguousarray(array).view(np.uint16).reshape(array.shape)  # (0-d too)
+        np.left_shift(bits, 16, out=out, dtype=np.uint32)
+        return out.view(np.float32)
+    if array.dtype.char == "?":
+        return np.ascontiguousarray(array).view(np.uint8)
+    return np.ascontiguousarray(array, dtype=wire)
+
+
+def from_wire(piece: np.ndarray, dtype: np.dtype, scratch: bool = False) -> np.ndarray:
+    """A combined ``piece`` rounded once back to ``dtype``. float32 to bfloat16 rounds to
+    nearest even on the bits (NaN stays NaN), as ``astype`` does, in less time; with
+    ``scratch`` the piece's memory may be overwritten (it is the caller's own buffer)."""
+    if dtype.char == "?":
+        return piece.view(np.bool_)
+    if not (_is_bfloat16(dtype) and piece.dtype == _F32 and piece.flags.c_contiguous):
+        return piece.astype(dtype)
+    shape, piece = piece.shape, piece.reshape(-1)  # (flat: 0-d arrays too)
+    nan = np.isnan(piece)
+    quiet = ((piece.view(np.uint32)[nan] >> 16) | 0x0040).astype(np.uint16) if nan.any() \
+        else None  # NaN keeps its sign and top payload, made quiet (as astype does)
+    bits = piece.view(np.uint32) if scratch else piece.view(np.uint32).copy()
+    odd = np.right_shift(bits, 16)
+    np.bitwise_and(odd, 1, out=odd)
+    odd += 0x7FFF
+    bits += odd  # round to nearest, ties to even (a carry may reach the exponent: inf)
+    np.right_shift(bits, 16, out=bits)
+    out = bits.astype(np.uint16)
+    if quiet is not None:
+        out[nan] = quiet
+    return out.view(dtype).reshape(shape)

@@ -21,7 +21,7 @@ from mpi4py import MPI
 from mpistrat.collectives.algorithms import allreduce, choose_algorithm
 from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import Deadline
-from mpistrat.collectives.dtypes import accumulator
+from mpistrat.collectives.dtypes import accumulator, from_wire, to_wire
 from mpistrat.collectives.fusion import plan_buckets
 from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
 
@@ -116,8 +116,7 @@ def fused_all_reduce(comm: MPI.Comm, arrays: Sequence[np.ndarray], op: ReduceOp,
         else:             # or a lone large tensor, reduced without a packing copy
             send = np.asarray(arrays[bucket.indices[0]])
             if send.dtype != bucket.wire or not send.flags.c_contiguous:
-                send = np.ascontiguousarray(send, dtype=bucket.wire) if send.dtype.char != "?" \
-                    else np.ascontiguousarray(send).view(np.uint8)
+                send = to_wire(send, bucket.wire)
             send = send.reshape(-1)
         # 2. combine across ranks with the algorithm that suits the size (and topology)
         if combine is None:
@@ -131,7 +130,7 @@ def fused_all_reduce(comm: MPI.Comm, arrays: Sequence[np.ndarray], op: ReduceOp,
             piece = buffer[start:stop]
             if bucket.converts:
                 original = arrays[first].dtype
-                piece = piece.view(np.bool_) if original.char == "?" else piece.astype(original)
+                piece = from_wire(piece, original)
             if count == 1:
                 results[first] = piece.reshape(shape)
             else:

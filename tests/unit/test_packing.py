@@ -40,3 +40,20 @@ def test_wire_dtypes_of_types_mpi_lacks_and_of_integer_means():
     import pytest
     with pytest.raises(TypeError, match="bool"):
         FusedPlan([(np.dtype(bool), (2,))], 4 << 20, ReduceOp.SUM)
+
+
+def test_bfloat16_bit_conversions_match_ml_dtypes_exactly():
+    import ml_dtypes
+    from mpistrat.collectives.dtypes import from_wire, to_wire
+    bf16, f32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
+    every = np.arange(1 << 16, dtype=np.uint16).view(bf16)           # every bfloat16 value
+    wide = to_wire(every, f32)
+    np.testing.assert_array_equal(wide.view(np.uint32), every.astype(f32).view(np.uint32))
+    bits = np.random.default_rng(7).integers(0, 1 << 32, 1 << 20, dtype=np.uint64)
+    values = bits.astype(np.uint32).view(f32)                          # any float32, NaN too
+    narrow, reference = from_wire(values, bf16), values.astype(bf16)
+    finite = ~np.isnan(values)
+    np.testing.assert_array_equal(narrow.view(np.uint16)[finite], reference.view(np.uint16)[finite])
+    assert np.isnan(narrow[~finite].astype(f32)).all()
+    assert from_wire(np.array(2.5, f32), bf16).shape == ()
+    assert to_wire(np.ones((4, 3), bf16)[:, ::2], f32).shape == (4, 2)

@@ -22,6 +22,7 @@ from mpistrat.collectives.backends import hierarchical
 from mpistrat.collectives.backends.base import (Backend, factor, movable, options_of,
                                                 refuse_device_buffers, wire_dtype)
 from mpistrat.collectives.buffer_pool import default_pool
+from mpistrat.collectives.dtypes import from_wire, to_wire
 from mpistrat.collectives.deadline import wait_all
 from mpistrat.collectives.packing import fused_all_reduce
 from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
@@ -37,9 +38,7 @@ def _wire(array: np.ndarray, op: ReduceOp) -> np.ndarray:
     """The contiguous buffer that travels for ``array`` (the array itself where possible)."""
     dtype = wire_dtype(array.dtype, op)
     if dtype is not array.dtype and dtype != array.dtype:
-        if array.dtype.char == "?":
-            return np.ascontiguousarray(array).view(np.uint8)
-        return np.ascontiguousarray(array, dtype=dtype)
+        return to_wire(array, dtype)
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
@@ -105,7 +104,7 @@ class HostMPI(Backend):
         if op is ReduceOp.MEAN:
             divide_for_mean(out, size)
         if wire.dtype is not original.dtype:
-            return out.view(np.bool_) if original.dtype.char == "?" else out.astype(original.dtype)
+            return from_wire(out, original.dtype, scratch=True)
         return out
 
     def all_gather(self, comm, arrays, counts, axis, deadline):

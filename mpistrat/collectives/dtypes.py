@@ -155,9 +155,9 @@ def to_wire(array: np.ndarray, wire: np.dtype) -> np.ndarray:
         bits = np.ascontiguousarray(array).view(np.uint16).reshape(array.shape)  # (0-d too)
         np.left_shift(bits, 16, out=out, dtype=np.uint32)
         return out.view(np.float32)
-    if array.dtype.char == "?":
-        return np.ascontiguousarray(array).view(np.uint8)
-    return np.ascontiguousarray(array, dtype=wire)
+    if array.dtype.char == "?":  # (ascontiguousarray makes 0-d arrays 1-d: reshape back)
+        return np.ascontiguousarray(array).view(np.uint8).reshape(array.shape)
+    return np.ascontiguousarray(array, dtype=wire).reshape(array.shape)
 
 
 def from_wire(piece: np.ndarray, dtype: np.dtype, scratch: bool = False) -> np.ndarray:

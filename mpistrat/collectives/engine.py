@@ -203,6 +203,11 @@ class CollectiveEngine:
             if start is not None:
                 self._record(_ALL_REDUCE_WHAT[op], start, (result,))
             return result
+        if kind in _FOLD_SCALARS and options is None and op in _EXACT and self._folds():
+            result = self._fold_numpy_scalar(op, value)  # a NumPy scalar (a float32 loss)
+            if start is not None:
+                self._record(_ALL_REDUCE_WHAT[op], start, (result,))
+            return result
         flat = (kind is list or kind is tuple) and set(map(type, value)) <= _NDARRAY_ONLY
         if flat:  # a plain list or tuple of NumPy arrays: no flattening, no conversion
             arrays, rebuild = value, None
@@ -214,8 +219,8 @@ class CollectiveEngine:
         else:
             what = _ALL_REDUCE_WHAT[op]
             signature = _signature(arrays)
-            if len(arrays) == 1 and op in _EXACT and self._folds(options) and \
-                    signature[0][0] == _FLOAT64 and arrays[0].size <= PAYLOAD_SLOTS:
+            if len(arrays) == 1 and op in _EXACT and arrays[0].size <= PAYLOAD_SLOTS and \
+                    arrays[0].dtype in _FOLDABLE and self._folds(options):
                 results = [self._fold_small(op, arrays[0], signature)]
             else:
                 opts, deadline = self._begin(what, signature, options)
@@ -260,15 +265,30 @@ class CollectiveEngine:
             self._backend_name = "validation-probe"
         return total / self.size if op is ReduceOp.MEAN else total
 
+    def _fold_numpy_scalar(self, op: ReduceOp, value) -> np.ndarray:
+        """``_fold_scalar`` for a NumPy scalar of a ``_FOLDABLE`` dtype: summed as a float64
+        (exact for every such value), rounded once to its dtype (a 0-d array of it)."""
+        dtype = value.dtype
+        signature = _SCALAR_SIGNATURES.get(dtype)
+        if signature is None:
+            signature = _SCALAR_SIGNATURES[dtype] = _signature([value])
+        if self._broken:
+            raise AbortedError(f"all_reduce refused on rank {self.rank}: {self._broken}")
+        self._calls += 1
+        if self._trace:
+            self._trace_fold(_ALL_REDUCE_WHAT[op], 1)
+        total = self._probe.sum_scalar(_ALL_REDUCE_WHAT[op], signature, float(value))
+        if timeline.ON:
+            self._backend_name = "validation-probe"
+        return _mean_of_fold(np.array(total), op, self.size, dtype)
+
     def _fold_small(self, op: ReduceOp, array, signature: tuple):
         _, _, deadline = self._prologue("all_reduce", None)
         if self._trace:
             self._trace_fold(_ALL_REDUCE_WHAT[op], array.size, array_kind(array))
         host = array if type(array) is np.ndarray else to_host(array)
         sums = self._probe.sum_with(_ALL_REDUCE_WHAT[op], signature, deadline, host)
-        out = sums.reshape(host.shape).copy()
-        if op is ReduceOp.MEAN:
-            out /= self.size
+        out = _mean_of_fold(sums.reshape(host.shape).copy(), op, self.size, host.dtype)
         if timeline.ON:
             self._backend_name = "validation-probe"
         return out if type(array) is np.ndarray else from_host(out, array)
@@ -407,6 +427,17 @@ class CollectiveEngine:
         self._guard(wait_all, [self.comm.Ibarrier()], deadline, "barrier")
 
 
+def _mean_of_fold(total: np.ndarray, op: ReduceOp, size: int, dtype) -> np.ndarray:
+    """A folded sum (float64, exact for ``_FOLDABLE`` values) as ``dtype``: a MEAN divides
+    first (integers truncate toward zero), then one rounding."""
+    if op is ReduceOp.MEAN:
+        if dtype.kind in "iu":  # (|sum| < size * 2**32: the quotient truncates exactly)
+            total = np.trunc(total / size)
+        else:
+            total /= size
+    return total if dtype == _FLOAT64 else total.astype(dtype)
+
+
 def _nothing() -> None:
     return None
 
@@ -419,5 +450,11 @@ def _axis_or_none(axis: int, ndim: int) -> Optional[int]:
 
 
 _SCALAR_SIGNATURE = _signature([np.float64(0.0)])  # a Python float's, as the long path builds it
+_SCALAR_SIGNATURES: Dict[np.dtype, tuple] = {}
+# Dtypes whose values, and sums of them over any realistic number of ranks, float64 holds
+# exactly: small SUM/MEAN of these ride in the validation probe (``Probe``), one collective.
+_FOLDABLE = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int8,
+                                            np.int16, np.int32, np.uint8, np.uint16, np.uint32))
+_FOLD_SCALARS = frozenset(d.type for d in _FOLDABLE)
 _HOST_CAPS = Capabilities(cuda_aware_mpi=False, nccl=False)  # NumPy needs no detection
 _HOST_BACKEND = select_backend("numpy", CommunicationImplementation.AUTO, _HOST_CAPS)

@@ -322,3 +322,41 @@ def test_big_endian_arrays_of_any_size(world, strategy, count):
     root = engine_for(world).broadcast(value, root=0)
     assert root.dtype == np.dtype(">f8") and root.tobytes() == np.arange(
         count, dtype=">f8").tobytes()
+
+
+# -- 4. small reductions ride in the validation probe, whatever their dtype or kind --------
+
+FOLDED = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.uint8, np.uint16,
+          np.uint32]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", FOLDED, ids=[np.dtype(d).name for d in FOLDED])
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+def test_small_reductions_of_every_dtype_and_kind(world, strategy, arrays, dtype, op):
+    n, r = world.size, world.rank
+    mine = np.array([r + 1, 3 * (r % 2), 7], dtype=dtype)
+    every = np.stack([np.array([k + 1, 3 * (k % 2), 7], dtype=np.float64) for k in range(n)])
+    total = every.sum(0)
+    want = (total if op == "SUM" else
+            np.trunc(total / n) if np.dtype(dtype).kind in "iu" else total / n).astype(dtype)
+    for value, expect in ((arrays.asarray(mine), want), (arrays.asarray(mine[2]), want[2])):
+        out = strategy.reduce(op, value, axis=None)
+        arrays.assert_kind(out) if arrays.kind != "numpy" else None
+        assert arrays.numpy(out).dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(arrays.numpy(out), expect)
+    scalar = strategy.reduce(op, np.dtype(dtype).type(mine[0]), axis=None)   # a NumPy scalar
+    assert isinstance(scalar, np.generic) and scalar.dtype == np.dtype(dtype)
+    assert scalar == want[0]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.numpy_only("NumPy scalars of different dtypes on different ranks")
+def test_small_reductions_that_disagree_raise_on_every_rank(world, strategy):
+    mine = np.float32(1.0) if world.rank == 0 else np.float64(1.0)
+    with pytest.raises(ValueError, match="rank 0 has float32"):
+        strategy.reduce("SUM", mine, axis=None)
+    small = np.ones(3, np.float32) if world.rank == 0 else np.ones(30, np.float32)  # folds on 0
+    with pytest.raises(ValueError, match="rank"):
+        strategy.reduce("SUM", small, axis=None)
+    assert float(strategy.reduce("SUM", np.float32(1.0), axis=None)) == world.size

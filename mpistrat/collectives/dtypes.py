@@ -32,14 +32,14 @@ MPI reduces only its own types. Everything else is decided here, in one place:
 """
 
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from mpistrat.collectives.reduce_op import ReduceOp
 
 __all__ = ["accumulator", "refusal", "raw_bits", "dtype_code", "is_low_float", "is_small_int",
-           "is_foreign", "to_wire", "from_wire",
+           "is_foreign", "to_wire", "from_wire", "refuse",
            "MPI_CHARS", "check_reducible", "MEAN_DTYPE_RULE"]
 
 MPI_CHARS = frozenset("?bBhHiIlLqQfdgFDG")  # NumPy types MPI moves and reduces natively
@@ -182,3 +182,23 @@ def from_wire(piece: np.ndarray, dtype: np.dtype, scratch: bool = False) -> np.n
     if quiet is not None:
         out[nan] = quiet
     return out.view(dtype).reshape(shape)
+
+
+def refuse(what: str, arrays, op: Optional[ReduceOp], value: Any) -> None:
+    """``TypeError`` naming the first tensor this collective cannot take (``op``: a reduction;
+    ``None``: a gather or broadcast, which moves bits). Runs after the ranks agreed on the
+    signature (dtypes and op), so every rank raises together, before any data moves."""
+    for index, array in enumerate(arrays):
+        dtype = array.dtype
+        if op is None:
+            if dtype.kind != "O":
+                continue
+            why = f"{dtype} values cannot travel in a collective; pass arrays of numbers"
+        else:
+            why = refusal(dtype, op)
+            if why is None:
+                continue
+        from mpistrat.collectives.structure import leaf_names  # (the error path only)
+        names = leaf_names(value)
+        name = names[index] if len(names) == len(arrays) else f"tensor {index}"
+        raise TypeError(f"{what}: {name}: {why}")

@@ -23,14 +23,14 @@ from mpi4py import MPI
 
 from mpistrat.collectives.backends import select_backend
 from mpistrat.collectives.deadline import Deadline, wait_all
-from mpistrat.collectives.dtypes import dtype_code, refusal
+from mpistrat.collectives.dtypes import dtype_code, refuse
 from mpistrat.collectives.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.collectives.reproducible import deterministic_default, exact_sum
-from mpistrat.collectives.structure import flatten, leaf_names
+from mpistrat.collectives.structure import flatten
 from mpistrat.collectives.topology import comm_topology
-from mpistrat.collectives.validation import (PAYLOAD_SLOTS, Probe, agree, start_agree,
-                                             validation_enabled)
+from mpistrat.collectives.validation import (FOLDABLE, PAYLOAD_SLOTS, Probe, agree, fold_result,
+                                             start_agree, validation_enabled)
 from mpistrat.errors import AbortedError, DeadlineExceededError, InvalidArgumentError
 from mpistrat.runtime import settings
 from mpistrat.runtime import timeline
@@ -67,7 +67,6 @@ def _as_array(value: Any):
 
 _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
 _NDARRAY_ONLY = {np.ndarray}
-_FLOAT64 = np.dtype(np.float64)
 
 
 def _signature(arrays) -> tuple:
@@ -87,25 +86,6 @@ def _dtype_key(array) -> str:
     """A dtype as NumPy's short code (``dtypes.dtype_code``), with the kind of a device array."""
     return dtype_code(array.dtype) if type(array) is np.ndarray else \
         f"{dtype_code(array.dtype)}@{array_kind(array)}".replace("@numpy", "")
-
-
-def _refuse(what: str, arrays, op: Optional[ReduceOp], value: Any) -> None:
-    """``TypeError`` naming the first tensor this collective cannot take (``op``: a reduction;
-    ``None``: a gather or broadcast, which moves bits). Runs after the ranks agreed on the
-    signature (dtypes and op), so every rank raises together, before any data moves."""
-    for index, array in enumerate(arrays):
-        dtype = array.dtype
-        if op is None:
-            if dtype.kind != "O":
-                continue
-            why = f"{dtype} values cannot travel in a collective; pass arrays of numbers"
-        else:
-            why = refusal(dtype, op)
-            if why is None:
-                continue
-        names = leaf_names(value)
-        name = names[index] if len(names) == len(arrays) else f"tensor {index}"
-        raise TypeError(f"{what}: {name}: {why}")
 
 
 _ALL_REDUCE_WHAT = {op: f"all_reduce {op.name}" for op in ReduceOp}
@@ -220,11 +200,11 @@ class CollectiveEngine:
             what = _ALL_REDUCE_WHAT[op]
             signature = _signature(arrays)
             if len(arrays) == 1 and op in _EXACT and arrays[0].size <= PAYLOAD_SLOTS and \
-                    arrays[0].dtype in _FOLDABLE and self._folds(options):
+                    arrays[0].dtype in FOLDABLE and self._folds(options):
                 results = [self._fold_small(op, arrays[0], signature)]
             else:
                 opts, deadline = self._begin(what, signature, options)
-                _refuse(what, arrays, op, value)
+                refuse(what, arrays, op, value)
                 if flat:
                     if timeline.ON:
                         self._backend_name = _HOST_BACKEND.name
@@ -266,7 +246,7 @@ class CollectiveEngine:
         return total / self.size if op is ReduceOp.MEAN else total
 
     def _fold_numpy_scalar(self, op: ReduceOp, value) -> np.ndarray:
-        """``_fold_scalar`` for a NumPy scalar of a ``_FOLDABLE`` dtype: summed as a float64
+        """``_fold_scalar`` for a NumPy scalar of a ``FOLDABLE`` dtype: summed as a float64
         (exact for every such value), rounded once to its dtype (a 0-d array of it)."""
         dtype = value.dtype
         signature = _SCALAR_SIGNATURES.get(dtype)
@@ -280,7 +260,7 @@ class CollectiveEngine:
         total = self._probe.sum_scalar(_ALL_REDUCE_WHAT[op], signature, float(value))
         if timeline.ON:
             self._backend_name = "validation-probe"
-        return _mean_of_fold(np.array(total), op, self.size, dtype)
+        return fold_result(np.array(total), op, self.size, dtype)
 
     def _fold_small(self, op: ReduceOp, array, signature: tuple):
         _, _, deadline = self._prologue("all_reduce", None)
@@ -288,7 +268,7 @@ class CollectiveEngine:
             self._trace_fold(_ALL_REDUCE_WHAT[op], array.size, array_kind(array))
         host = array if type(array) is np.ndarray else to_host(array)
         sums = self._probe.sum_with(_ALL_REDUCE_WHAT[op], signature, deadline, host)
-        out = _mean_of_fold(sums.reshape(host.shape).copy(), op, self.size, host.dtype)
+        out = fold_result(sums.reshape(host.shape).copy(), op, self.size, host.dtype)
         if timeline.ON:
             self._backend_name = "validation-probe"
         return out if type(array) is np.ndarray else from_host(out, array)
@@ -316,7 +296,7 @@ class CollectiveEngine:
             -1 if axis is not None and d == axis % a.ndim else n for d, n in enumerate(a.shape)))
             for a in arrays)
         opts, deadline = self._begin(what, signature, options)
-        _refuse(what, arrays, op, value)
+        refuse(what, arrays, op, value)
         kinds = {array_kind(a) for a in arrays}
         hosts = [to_host(a) if array_kind(a) != "numpy" else a for a in arrays]
 
@@ -351,7 +331,7 @@ class CollectiveEngine:
                         tuple(-1 if d == _axis_or_none(axis, a.ndim) else n
                               for d, n in enumerate(a.shape))) for a in arrays)
         opts, deadline = self._begin(what, masked, options)
-        _refuse(what, arrays, None, value)
+        refuse(what, arrays, None, value)
         for index, array in enumerate(arrays):
             if array.ndim == 0:
                 raise InvalidArgumentError(
@@ -387,7 +367,7 @@ class CollectiveEngine:
         arrays = [_as_array(v) for v in leaves]
         what = f"broadcast root={root}"
         opts, deadline = self._begin(what, _signature(arrays), options)
-        _refuse(what, arrays, None, value)
+        refuse(what, arrays, None, value)
         results = self._run(what, arrays, opts, lambda backend, idx: backend.broadcast(
             self.comm, [arrays[i] for i in idx], root, deadline))
         if start is not None:
@@ -427,17 +407,6 @@ class CollectiveEngine:
         self._guard(wait_all, [self.comm.Ibarrier()], deadline, "barrier")
 
 
-def _mean_of_fold(total: np.ndarray, op: ReduceOp, size: int, dtype) -> np.ndarray:
-    """A folded sum (float64, exact for ``_FOLDABLE`` values) as ``dtype``: a MEAN divides
-    first (integers truncate toward zero), then one rounding."""
-    if op is ReduceOp.MEAN:
-        if dtype.kind in "iu":  # (|sum| < size * 2**32: the quotient truncates exactly)
-            total = np.trunc(total / size)
-        else:
-            total /= size
-    return total if dtype == _FLOAT64 else total.astype(dtype)
-
-
 def _nothing() -> None:
     return None
 
@@ -451,10 +420,6 @@ def _axis_or_none(axis: int, ndim: int) -> Optional[int]:
 
 _SCALAR_SIGNATURE = _signature([np.float64(0.0)])  # a Python float's, as the long path builds it
 _SCALAR_SIGNATURES: Dict[np.dtype, tuple] = {}
-# Dtypes whose values, and sums of them over any realistic number of ranks, float64 holds
-# exactly: small SUM/MEAN of these ride in the validation probe (``Probe``), one collective.
-_FOLDABLE = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int8,
-                                            np.int16, np.int32, np.uint8, np.uint16, np.uint32))
-_FOLD_SCALARS = frozenset(d.type for d in _FOLDABLE)
+_FOLD_SCALARS = frozenset(d.type for d in FOLDABLE)
 _HOST_CAPS = Capabilities(cuda_aware_mpi=False, nccl=False)  # NumPy needs no detection
 _HOST_BACKEND = select_backend("numpy", CommunicationImplementation.AUTO, _HOST_CAPS)

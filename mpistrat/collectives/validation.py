@@ -26,10 +26,12 @@ from mpi4py import MPI
 
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.dtypes import dtype_code
+from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.runtime import settings
 
 __all__ = ["Signature", "validation_enabled", "agree", "start_agree", "Probe", "PAYLOAD_SLOTS",
+           "FOLDABLE", "fold_result",
            "describe_mismatch", "format_ranks"]
 
 Signature = Tuple[Tuple[str, Tuple[int, ...]], ...]
@@ -208,6 +210,24 @@ class Probe:
         if self.recv[PAYLOAD_SLOTS:] != expected:
             _raise_mismatch(self.comm, what, signature, False)
         return self.recv[0]
+
+
+# Dtypes whose values, and sums of them over any realistic number of ranks, float64 holds
+# exactly: small SUM/MEAN of these ride in the validation probe (``Probe``), one collective.
+FOLDABLE = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int8,
+                                            np.int16, np.int32, np.uint8, np.uint16, np.uint32))
+_FLOAT64 = np.dtype(np.float64)
+
+
+def fold_result(total: np.ndarray, op: ReduceOp, size: int, dtype) -> np.ndarray:
+    """A folded sum (float64, exact for ``FOLDABLE`` values) as ``dtype``: a MEAN divides
+    first (integers truncate toward zero), then one rounding."""
+    if op is ReduceOp.MEAN:
+        if dtype.kind in "iu":  # (|sum| < size * 2**32: the quotient truncates exactly)
+            total = np.trunc(total / size)
+        else:
+            total /= size
+    return total if dtype == _FLOAT64 else total.astype(dtype)
 
 
 def _plain(signature) -> Signature:

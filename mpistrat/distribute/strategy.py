@@ -20,14 +20,16 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 import numpy as np
 
 from mpistrat import nest
-from mpistrat.collectives import CollectiveEngine, ReduceOp, divide_for_mean
-from mpistrat.collectives.dtypes import accumulator, check_reducible, dtype_code
-from mpistrat.collectives.structure import flatten, leaf_names
+from mpistrat.collectives import CollectiveEngine, ReduceOp
+from mpistrat.collectives.dtypes import check_reducible, dtype_code
+from mpistrat.collectives.structure import flatten
 from mpistrat.distribute.context import ValueContext, current_strategy_entry, entered
+from mpistrat.distribute.reduction import (LazyNames, as_array, combine_local, mean, partial,
+                                           restore, same_shapes)
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.distribute.results import scalars_to_numpy
 from mpistrat.distribute.values import DistributedValues, Mirrored, PerReplica, local_component
-from mpistrat.runtime.devices import array_kind, array_module, from_host
+from mpistrat.runtime.devices import array_module
 
 __all__ = ["Strategy", "StrategyExtended"]
 
@@ -211,11 +213,11 @@ class Strategy:
             components = self.experimental_local_results(value)
             flat = [flatten(c) for c in components]
             originals = flat[0][0]
-            leaves = [[_as_array(x) for x in f[0]] for f in flat]
+            leaves = [[as_array(x) for x in f[0]] for f in flat]
             if any(a.ndim == 0 for a in leaves[0]) or any(
                     not -a.ndim <= axis < a.ndim for a in leaves[0]):
                 return self._extended.engine.all_gather(_local(value), axis)  # raises together
-            local = flat[0][1]([_restore(array_module(parts[0]).concatenate(parts, axis=axis),
+            local = flat[0][1]([restore(array_module(parts[0]).concatenate(parts, axis=axis),
                                          like) for parts, like in zip(zip(*leaves), originals)])
         else:
             local = _local(value)
@@ -230,26 +232,26 @@ class Strategy:
         its kind of array (``_restore``)."""
         flat = [flatten(c) for c in components]
         originals, rebuild = flat[0]
-        leaves = list(zip(*[[_as_array(x) for x in f[0]] for f in flat]))
+        leaves = list(zip(*[[as_array(x) for x in f[0]] for f in flat]))
         engine = self._extended.engine
         ids = self._extended.local_replica_ids
         exact = op in (ReduceOp.SUM, ReduceOp.MEAN) and engine.is_deterministic(options)
 
         def done(results):
-            return scalars_to_numpy(rebuild([_restore(r, like) for r, like in
+            return scalars_to_numpy(rebuild([restore(r, like) for r, like in
                                              zip(results, originals)]))
 
         if axis is None and exact and len(ids) > 1:  # the replicas' values are the rows
             for parts in leaves:
-                _same_shapes(parts, ids)
+                same_shapes(parts, ids)
             return done(engine.exact_sum([np.stack(parts) for parts in leaves], 0, options,
                                          op)[0])
         if axis is None:
-            combined = [_combine_local(op, list(parts), ids) for parts in leaves]
+            combined = [combine_local(op, list(parts), ids) for parts in leaves]
             results = engine.all_reduce(combined, ReduceOp.SUM if op is ReduceOp.MEAN else op,
                                         options)
             if op is ReduceOp.MEAN:
-                results = [_mean(r, self.num_replicas_in_sync) for r in results]
+                results = [mean(r, self.num_replicas_in_sync) for r in results]
             return done(results)
         bad = [i for i, parts in enumerate(leaves)
                if any(not -a.ndim <= axis < a.ndim for a in parts)]
@@ -265,17 +267,17 @@ class Strategy:
             raise ValueError(f"reduce: axis {axis} is out of range for value(s) of shape {shapes}")
         # the ranks agreed on every dtype: each raises the same refusal, together
         check_reducible(f"reduce {op.name} axis={axis}", [p[0] for p in leaves], op,
-                        _LazyNames(components[0]))
+                        LazyNames(components[0]))
         if exact:  # every row a summand of one exact sum, wherever it lives
             rows_here = [parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
                          for parts in leaves]
             return done(engine.exact_sum(rows_here, axis, options, op)[0])
-        partials = [_combine_local(op, [_partial(op, a, axis) for a in parts], ids)
+        partials = [combine_local(op, [partial(op, a, axis) for a in parts], ids)
                     for parts in leaves]
         if op is ReduceOp.MEAN:  # the global sum over the global number of rows along the axis
             rows = np.array([sum(a.shape[axis] for a in parts) for parts in leaves], np.int64)
             sums, totals = engine.all_reduce((partials, rows), ReduceOp.SUM)
-            results = [_mean(s, int(t)) for s, t in zip(sums, totals)]
+            results = [mean(s, int(t)) for s, t in zip(sums, totals)]
         else:
             results = engine.all_reduce(partials, op)
         return done(results)
@@ -352,87 +354,3 @@ def _input_distribution(kind: str):
     if kind not in _INPUT:  # `import mpistrat` always imports mpistrat.data, which registers
         raise RuntimeError("datasets are provided by mpistrat.data: import mpistrat first")
     return _INPUT[kind]
-
-
-_IDENTITY = {ReduceOp.MIN: "max", ReduceOp.MAX: "min"}
-
-
-def _as_array(value: Any):
-    """``value`` as an array: CuPy arrays stay on their GPU, anything else goes to NumPy."""
-    return value if array_kind(value) == "cupy" else np.asarray(value)
-
-
-def _partial(op: ReduceOp, array, axis: int):
-    """This replica's contribution along ``axis``, in the dtype it combines in across ranks
-    (``dtypes.accumulator``); an empty batch gives the identity (``MIN``/``MAX``: the
-    extreme of the dtype, ``-inf``/``inf`` for floats, ``False``/``True`` for bool)."""
-    xp = array_module(array)
-    wide = accumulator(np.dtype(array.dtype), op)
-    if op in (ReduceOp.SUM, ReduceOp.MEAN):
-        return xp.sum(array, axis=axis, dtype=wide)
-    boolean = array.dtype.char == "?"
-    array = array.view(xp.uint8) if boolean else array.astype(wide, copy=False)
-    if array.shape[axis] == 0:
-        if boolean:
-            fill = 1 if op is ReduceOp.MIN else 0
-        elif wide.kind in "fc":
-            fill = np.inf if op is ReduceOp.MIN else -np.inf
-        else:
-            fill = getattr(np.iinfo(wide), _IDENTITY[op])
-        return xp.full(tuple(np.delete(array.shape, axis)), fill, dtype=wide)
-    return (xp.min if op is ReduceOp.MIN else xp.max)(array, axis=axis)
-
-
-class _LazyNames:
-    """The leaf paths of a value, computed only when an error names one."""
-
-    def __init__(self, value):
-        self._value, self._names = value, None
-
-    def __getitem__(self, index: int) -> str:
-        if self._names is None:
-            self._names = leaf_names(self._value)
-        return self._names[index] if index < len(self._names) else f"tensor {index}"
-
-
-def _restore(result, like):
-    """``result`` in ``like``'s dtype, and as ``like``'s kind of array (JAX on its device)."""
-    dtype = getattr(like, "dtype", None)
-    dtype = np.dtype(dtype if dtype is not None else np.asarray(like).dtype)
-    if result.dtype != dtype:
-        result = result.view(np.bool_) if dtype.char == "?" and result.dtype == np.uint8 \
-            else result.astype(dtype)
-    if array_kind(like) == "jax" and array_kind(result) != "jax":
-        return from_host(np.asarray(result), like)
-    return result
-
-
-def _same_shapes(parts, replica_ids) -> None:
-    """``ValueError`` unless this rank's replicas hold values of one shape."""
-    shapes = {a.shape for a in parts}
-    if len(shapes) > 1:
-        described = "; ".join(f"replica {r}: {list(a.shape)}" for r, a in zip(replica_ids, parts))
-        raise ValueError(f"reduce: the replicas of this rank have values of different shapes "
-                         f"({described}); use axis=0 to reduce batches of different sizes")
-
-
-def _combine_local(op: ReduceOp, parts, replica_ids) -> np.ndarray:
-    """Combine one tensor's values of this rank's replicas (equal shapes required), in the
-    dtype they combine in across ranks for a SUM or MEAN (``dtypes.accumulator``)."""
-    _same_shapes(parts, replica_ids)
-    if len(parts) == 1:  # (a SUM may wrap in its dtype, as NumPy's; a MEAN's sum may not)
-        return parts[0] if op is not ReduceOp.MEAN else \
-            parts[0].astype(accumulator(np.dtype(parts[0].dtype), op), copy=False)
-    xp = array_module(parts[0])
-    stacked = xp.stack(parts)
-    if op in (ReduceOp.SUM, ReduceOp.MEAN):
-        return xp.sum(stacked, axis=0, dtype=accumulator(np.dtype(stacked.dtype), op))
-    return (xp.min if op is ReduceOp.MIN else xp.max)(stacked, axis=0)
-
-
-def _mean(total, count: int):
-    """MEAN's division in the accumulator's dtype (integers truncate toward zero, as
-    TensorFlow's ``Div``); the caller rounds once to the input's dtype."""
-    result = array_module(total).array(total, copy=True)
-    divide_for_mean(result, count)
-    return result

@@ -303,6 +303,10 @@ def test_messages_split_at_the_count_limit(world, monkeypatch, algorithm):
         assert len([e for e in log if e[0] == "call"]) >= 3 or algorithm == "ring"
     root = engine.broadcast(np.arange(2500, dtype=np.int16) * (world.rank + 1), root=0)
     np.testing.assert_array_equal(root, np.arange(2500, dtype=np.int16))
+    rows = (np.arange(700 * (world.rank + 1), dtype=np.int32) + 1000 * world.rank)[:, None]
+    gathered = engine.all_gather(np.repeat(rows, 2, axis=1), axis=0)  # > 1000 elements in all
+    want = np.concatenate([np.arange(700 * (k + 1)) + 1000 * k for k in range(world.size)])
+    np.testing.assert_array_equal(gathered, np.repeat(want[:, None], 2, axis=1))
 
 
 @pytest.mark.mpi(min_size=1)

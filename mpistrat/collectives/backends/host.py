@@ -116,12 +116,22 @@ class HostMPI(Backend):
             front = np.ascontiguousarray(np.moveaxis(array, axis, 0))
             row_elems = int(np.prod(front.shape[1:], dtype=np.int64)) * factor(front)
             gathered = np.empty((sum(rows),) + front.shape[1:], dtype=front.dtype)
-            # 2. variable-count gather in rank order
-            spec = [movable(gathered), [r * row_elems for r in rows]]
-            if deadline is None:
-                comm.Allgatherv(movable(front), spec)
+            # 2. variable-count gather in rank order (MPI's counts and displacements are C ints:
+            #    a larger result goes block by block, each broadcast by its owner in pieces)
+            sizes = [r * row_elems for r in rows]
+            if sum(sizes) > algorithms.MESSAGE_ELEMENTS:
+                flat, mine = movable(gathered).reshape(-1), movable(front).reshape(-1)
+                offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+                rank = comm.Get_rank()
+                flat[offsets[rank]:offsets[rank + 1]] = mine
+                for owner in range(comm.Get_size()):
+                    broadcast_buffer(comm, flat[offsets[owner]:offsets[owner + 1]], owner,
+                                     deadline)
+            elif deadline is None:
+                comm.Allgatherv(movable(front), [movable(gathered), sizes])
             else:
-                wait_all([comm.Iallgatherv(movable(front), spec)], deadline, "all_gather")
+                wait_all([comm.Iallgatherv(movable(front), [movable(gathered), sizes])],
+                         deadline, "all_gather")
             # 3. put the axis back where it was
             results.append(np.moveaxis(gathered, 0, axis))
         return results

@@ -104,7 +104,7 @@ class HostMPI(Backend):
         if op is ReduceOp.MEAN:
             divide_for_mean(out, size)
         if wire.dtype is not original.dtype:
-            return from_wire(out, original.dtype, scratch=True)
+            return from_wire(out, original.dtype)
         return out
 
     def all_gather(self, comm, arrays, counts, axis, deadline):

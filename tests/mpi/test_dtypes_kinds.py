@@ -55,6 +55,18 @@ def expected(op: str, n: int, dtype) -> np.ndarray:
     return combined.astype(np.float32).astype(dtype)
 
 
+class _HostArrays:
+    """``same_bits``' view of results that are NumPy whatever the run's kind."""
+    kind = "numpy"
+
+    @staticmethod
+    def numpy(value):
+        return np.asarray(value)
+
+
+HOST = _HostArrays()
+
+
 def same_bits(actual, want, arrays) -> None:
     got = arrays.numpy(actual)
     assert got.dtype == np.dtype(want.dtype), (got.dtype, want.dtype)
@@ -364,3 +376,29 @@ def test_small_reductions_that_disagree_raise_on_every_rank(world, strategy):
     with pytest.raises(ValueError, match="rank"):
         strategy.reduce("SUM", small, axis=None)
     assert float(strategy.reduce("SUM", np.float32(1.0), axis=None)) == world.size
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.numpy_only("NumPy stands for device memory in the device backends' logic")
+def test_device_backend_logic_keeps_dtypes_with_numpy_for_device_memory(world):
+    """The staged pipeline and the CUDA-aware backend (the CuPy paths, with NumPy standing
+    for device memory) widen bfloat16 and a MEAN's integers as the host backend does."""
+    from mpistrat.collectives.backends import CudaAwareMPI, HostMPI, StagedHostMPI
+    from mpistrat.collectives.backends.pipeline import HostBufferPool, NumpyStager
+    from mpistrat.collectives.reduce_op import ReduceOp
+    comm, n = world.comm, world.size
+    values = [values_of(world.rank, ml_dtypes.bfloat16), np.full(5, 200, np.uint8),
+              np.full(3000, world.rank, ml_dtypes.float8_e4m3fn)]
+    opts = ms.CommunicationOptions(bytes_per_pack=64)
+    pool = HostBufferPool(lambda k: np.empty(k, np.uint8))
+    for op in (ReduceOp.SUM, ReduceOp.MEAN, ReduceOp.MAX):
+        host = HostMPI().all_reduce(comm, values, op, opts, None)
+        staged = StagedHostMPI().pipelined_all_reduce(comm, values, op, opts, None, np,
+                                                      NumpyStager, pool, chunk_bytes=1 << 10)
+        aware = CudaAwareMPI(xp=np).all_reduce(comm, values, op, opts, None)
+        for got in (host, staged, aware):
+            for g, v in zip(got, values):
+                assert g.dtype == v.dtype and g.shape == v.shape
+            same_bits(got[0], expected(op.name, n, ml_dtypes.bfloat16), HOST)
+        if op is ReduceOp.MEAN:
+            assert [g[1].tolist() for g in (host, staged, aware)] == [[200] * 5] * 3

@@ -1,7 +1,8 @@
 """Collective benchmark: mpistrat against raw mpi4py in the same run.
 
-Run: scripts/mpirun -n 2 .venv/bin/python benchmarks/collectives.py [--quick]
-Prints one JSON object per figure with ``ratio`` = ours / raw baseline.
+Run: scripts/mpirun -n 2 .venv/bin/python benchmarks/collectives.py [--quick] [--only dtypes]
+Prints one JSON object per figure with ``ratio`` = ours / raw baseline (for the dtype figure:
+bfloat16 against float32 of the same bytes, and of the same element count).
 """
 
 import argparse
@@ -41,11 +42,15 @@ def raw_fused(comm, tensors):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (for tests)")
+    parser.add_argument("--only", choices=["dtypes"], help="run one figure only")
     args = parser.parse_args()
     repeats = 3 if args.quick else 9
     comm = MPI.COMM_WORLD.Dup()
     strategy = ms.MultiWorkerMirroredStrategy()
     n = comm.Get_size()
+    if args.only == "dtypes":
+        low_precision(comm, strategy, repeats)
+        return
 
     # 1. ResNet-50 gradients
     shapes = resnet50_shapes()
@@ -96,6 +101,28 @@ def main():
         emit(comm, {"benchmark": "large_allreduce", "ranks": n, "mib": mib,
                     "ours_ms": round(ours * 1e3, 2), "raw_allreduce_ms": round(raw * 1e3, 2),
                     "ratio": round(ours / raw, 3)})
+
+    low_precision(comm, strategy, repeats)
+
+
+def low_precision(comm, strategy, repeats: int) -> None:
+    """5. bfloat16 all-reduce of 16 MiB (MPI has no bfloat16: it combines in float32 and
+    rounds once) against float32 of 16 MiB, and of as many elements (32 MiB)."""
+    import ml_dtypes
+    engine, n = strategy.extended.engine, comm.Get_size()
+    mib = 16
+    bf16 = np.ones(mib * (1 << 20) // 2, dtype=ml_dtypes.bfloat16)
+    same_bytes = np.ones(mib * (1 << 20) // 4, dtype=np.float32)
+    same_count = np.ones(bf16.size, dtype=np.float32)
+    times = {name: best_seconds(comm, lambda v=v: engine.all_reduce(v, "SUM"), repeats)
+             for name, v in [("bfloat16", bf16), ("float32_same_bytes", same_bytes),
+                             ("float32_same_count", same_count)]}
+    emit(comm, {"benchmark": "bfloat16_allreduce", "ranks": n, "mib": mib,
+                "bfloat16_ms": round(times["bfloat16"] * 1e3, 2),
+                "float32_16mib_ms": round(times["float32_same_bytes"] * 1e3, 2),
+                "float32_same_count_ms": round(times["float32_same_count"] * 1e3, 2),
+                "ratio": round(times["bfloat16"] / times["float32_same_bytes"], 3),
+                "ratio_same_count": round(times["bfloat16"] / times["float32_same_count"], 3)})
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ figure is the median over repeats of ours / raw. Figures:
 * ``resnet50``: ``strategy.reduce`` of the ResNet-50 gradient set (161 tensors)
   against the raw per-tensor in-place ``Allreduce`` loop.
 * ``scalar``: ``strategy.reduce("SUM", 1.0)`` against a raw ``Allreduce`` of one double.
+* ``scalar_float32``, ``scalar_jax``, ``float32x8``: ``strategy.reduce("MEAN", ...)`` of a
+  NumPy float32 scalar (a loss), a JAX float32 scalar and a float32 array of 8 values,
+  against the same raw ``Allreduce`` (``--only small`` runs these alone).
 * ``deterministic_16MiB``: the engine's reproducible SUM of 16 MiB of float32 against
   its ordinary SUM (and raw ``Allreduce``), when the library has it.
 * ``timeline_resnet50``: ``strategy.reduce`` of the ResNet-50 set with the timeline
@@ -61,12 +64,16 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--label", default="", help="a tag for the JSON lines (before/after)")
+    parser.add_argument("--only", choices=["small"], help="run the small-reduction figures only")
     args = parser.parse_args()
     repeats = 5 if args.quick else 11
     comm = MPI.COMM_WORLD.Dup()
     n = comm.Get_size()
     strategy = ms.MultiWorkerMirroredStrategy()
     base = {"ranks": n, "label": args.label}
+    if args.only == "small":
+        small_reductions(comm, strategy, base, repeats)
+        return
 
     small = [np.full(256, float(i), dtype=np.float32) for i in range(2000)]
     ratio, ours, raw = compare(comm, lambda: strategy.reduce("SUM", small, axis=None),
@@ -116,6 +123,23 @@ def main():
                                    lambda: strategy.reduce("SUM", grads, axis=None), repeats)
         emit(comm, {"figure": "timeline_resnet50", **base, "on_ms": round(ours * 1e3, 2),
                     "off_ms": round(off * 1e3, 2), "ratio": round(ratio, 3), "target": 1.05})
+
+    small_reductions(comm, strategy, base, repeats)
+
+
+def small_reductions(comm, strategy, base, repeats) -> None:
+    """The per-call cost of the small reductions a training loop makes (losses, metrics)."""
+    import jax.numpy as jnp
+    one = np.ones(1)
+    values = [("scalar_float", 1.0), ("scalar_float32", np.float32(0.5)),
+              ("scalar_jax", jnp.float32(0.5)), ("float32x8", np.ones(8, np.float32))]
+    for name, value in values:
+        ratio, ours, raw = compare(comm, lambda v=value: strategy.reduce("MEAN", v, axis=None),
+                                   lambda: comm.Allreduce(MPI.IN_PLACE, one, MPI.SUM), repeats,
+                                   inner=1000)
+        emit(comm, {"figure": name, **base, "ours_us": round(ours * 1e6, 2),
+                    "raw_allreduce_us": round(raw * 1e6, 2), "ratio": round(ratio, 2),
+                    "target_us": 3})
 
 
 if __name__ == "__main__":

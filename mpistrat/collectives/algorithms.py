@@ -45,7 +45,7 @@ from mpistrat.runtime import timeline
 
 __all__ = ["ring_chunks", "choose_algorithm", "explain_algorithm", "allreduce", "play",
            "ring_reduce_scatter", "ring_all_gather", "recording",
-           "RING_THRESHOLD_BYTES", "ALGORITHMS"]
+           "RING_THRESHOLD_BYTES", "ALGORITHMS", "MESSAGE_ELEMENTS"]
 
 ALGORITHMS = ("auto", "mpi", "ring", "hierarchical", "reduce_broadcast", "rabenseifner")
 
@@ -57,6 +57,9 @@ RING_THRESHOLD_BYTES = settings.get("MPISTRAT_RING_THRESHOLD", at_import=True)
 # 0.95-1.19x at 16 MiB, where both send the minimum bytes (docs/benchmarks.md).
 HIERARCHICAL_THRESHOLD_BYTES = settings.get("MPISTRAT_HIERARCHICAL_THRESHOLD", at_import=True)
 _RING_TAG = 0x7269
+# The most elements one MPI message carries: MPI's counts are C ints. Larger buffers are
+# combined and broadcast in pieces of this many elements (backends/host.py); tests lower it.
+MESSAGE_ELEMENTS = (1 << 31) - 1
 
 _COMBINE = {ReduceOp.SUM: np.add, ReduceOp.MEAN: np.add,
             ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum}

@@ -21,15 +21,16 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat import nest
 from mpistrat.collectives.backends import select_backend
 from mpistrat.collectives.deadline import Deadline, wait_all
+from mpistrat.collectives.dtypes import dtype_code, refuse
 from mpistrat.collectives.options import CommunicationImplementation, CommunicationOptions
-from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
+from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.collectives.reproducible import deterministic_default, exact_sum
+from mpistrat.collectives.structure import flatten
 from mpistrat.collectives.topology import comm_topology
-from mpistrat.collectives.validation import (PAYLOAD_SLOTS, Probe, agree, start_agree,
-                                             validation_enabled)
+from mpistrat.collectives.validation import (FOLDABLE, PAYLOAD_SLOTS, Probe, agree, fold_result,
+                                             start_agree, validation_enabled)
 from mpistrat.errors import AbortedError, DeadlineExceededError, InvalidArgumentError
 from mpistrat.runtime import settings
 from mpistrat.runtime import timeline
@@ -66,7 +67,6 @@ def _as_array(value: Any):
 
 _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
 _NDARRAY_ONLY = {np.ndarray}
-_FLOAT64 = np.dtype(np.float64)
 
 
 def _signature(arrays) -> tuple:
@@ -78,14 +78,14 @@ def _signature(arrays) -> tuple:
     kinds = [array_kind(a) for a in arrays]
     if all(kind == "numpy" for kind in kinds):
         return signature
-    return tuple((dtype if kind == "numpy" else f"{np.dtype(dtype).str}@{kind}", tuple(shape))
+    return tuple((dtype if kind == "numpy" else f"{dtype_code(dtype)}@{kind}", tuple(shape))
                  for kind, (dtype, shape) in zip(kinds, signature))
 
 
 def _dtype_key(array) -> str:
-    """A dtype as NumPy's short code, with the kind of a device array."""
-    return array.dtype.str if type(array) is np.ndarray else \
-        f"{array.dtype.str}@{array_kind(array)}".replace("@numpy", "")
+    """A dtype as NumPy's short code (``dtypes.dtype_code``), with the kind of a device array."""
+    return dtype_code(array.dtype) if type(array) is np.ndarray else \
+        f"{dtype_code(array.dtype)}@{array_kind(array)}".replace("@numpy", "")
 
 
 _ALL_REDUCE_WHAT = {op: f"all_reduce {op.name}" for op in ReduceOp}
@@ -183,22 +183,28 @@ class CollectiveEngine:
             if start is not None:
                 self._record(_ALL_REDUCE_WHAT[op], start, (result,))
             return result
+        if kind in _FOLD_SCALARS and options is None and op in _EXACT and self._folds():
+            result = self._fold_numpy_scalar(op, value)  # a NumPy scalar (a float32 loss)
+            if start is not None:
+                self._record(_ALL_REDUCE_WHAT[op], start, (result,))
+            return result
         flat = (kind is list or kind is tuple) and set(map(type, value)) <= _NDARRAY_ONLY
-        nested = not flat and isinstance(value, (dict, list, tuple))
         if flat:  # a plain list or tuple of NumPy arrays: no flattening, no conversion
-            arrays = value
-        else:
-            arrays = [_as_array(v) for v in nest.flatten(value)] if nested else [_as_array(value)]
+            arrays, rebuild = value, None
+        else:      # any nest or JAX pytree (collectives/structure.py)
+            leaves, rebuild = flatten(value)
+            arrays = [_as_array(v) for v in leaves]
         if op in _EXACT and self.is_deterministic(options):
-            results = self._exact(arrays, op, None, options)[0]
+            results = self._exact(arrays, op, None, options, value)[0]
         else:
             what = _ALL_REDUCE_WHAT[op]
             signature = _signature(arrays)
-            if len(arrays) == 1 and op in _EXACT and self._folds(options) and \
-                    signature[0][0] == _FLOAT64 and arrays[0].size <= PAYLOAD_SLOTS:
+            if len(arrays) == 1 and op in _EXACT and arrays[0].size <= PAYLOAD_SLOTS and \
+                    arrays[0].dtype in FOLDABLE and self._folds(options):
                 results = [self._fold_small(op, arrays[0], signature)]
             else:
                 opts, deadline = self._begin(what, signature, options)
+                refuse(what, arrays, op, value)
                 if flat:
                     if timeline.ON:
                         self._backend_name = _HOST_BACKEND.name
@@ -211,7 +217,7 @@ class CollectiveEngine:
             self._record(_ALL_REDUCE_WHAT[op], start, arrays)
         if flat:
             return results if kind is list else tuple(results)
-        return nest.pack_sequence_as(value, results) if nested else results[0]
+        return rebuild(results)
 
     # -- the validated small SUM: the probe carries the values (validation.Probe) --------
     def _folds(self, options: Optional[CommunicationOptions] = None) -> bool:
@@ -239,15 +245,30 @@ class CollectiveEngine:
             self._backend_name = "validation-probe"
         return total / self.size if op is ReduceOp.MEAN else total
 
+    def _fold_numpy_scalar(self, op: ReduceOp, value) -> np.ndarray:
+        """``_fold_scalar`` for a NumPy scalar of a ``FOLDABLE`` dtype: summed as a float64
+        (exact for every such value), rounded once to its dtype (a 0-d array of it)."""
+        dtype = value.dtype
+        signature = _SCALAR_SIGNATURES.get(dtype)
+        if signature is None:
+            signature = _SCALAR_SIGNATURES[dtype] = _signature([value])
+        if self._broken:
+            raise AbortedError(f"all_reduce refused on rank {self.rank}: {self._broken}")
+        self._calls += 1
+        if self._trace:
+            self._trace_fold(_ALL_REDUCE_WHAT[op], 1)
+        total = self._probe.sum_scalar(_ALL_REDUCE_WHAT[op], signature, float(value))
+        if timeline.ON:
+            self._backend_name = "validation-probe"
+        return fold_result(np.array(total), op, self.size, dtype)
+
     def _fold_small(self, op: ReduceOp, array, signature: tuple):
         _, _, deadline = self._prologue("all_reduce", None)
         if self._trace:
             self._trace_fold(_ALL_REDUCE_WHAT[op], array.size, array_kind(array))
         host = array if type(array) is np.ndarray else to_host(array)
         sums = self._probe.sum_with(_ALL_REDUCE_WHAT[op], signature, deadline, host)
-        out = sums.reshape(host.shape).copy()
-        if op is ReduceOp.MEAN:
-            out /= self.size
+        out = fold_result(sums.reshape(host.shape).copy(), op, self.size, host.dtype)
         if timeline.ON:
             self._backend_name = "validation-probe"
         return out if type(array) is np.ndarray else from_host(out, array)
@@ -258,22 +279,24 @@ class CollectiveEngine:
             options is not None and options.deterministic)
 
     def exact_sum(self, arrays: List, axis: Optional[int],
-                  options: Optional[CommunicationOptions] = None):
-        """Reproducible SUM over ranks of ``arrays``, element-wise or of all rows along
-        ``axis``: ``(sums, global summand counts)`` (see ``reproducible``)."""
+                  options: Optional[CommunicationOptions] = None, op="SUM"):
+        """Reproducible SUM (or MEAN) over ranks of ``arrays``, element-wise or of all rows
+        along ``axis``: ``(results, global summand counts)`` (see ``reproducible``); results
+        keep each array's dtype and kind."""
         start = timeline.begin() if timeline.ON else None
         arrays = [_as_array(a) for a in arrays]
-        out = self._exact(arrays, ReduceOp.SUM, axis, options)
+        out = self._exact(arrays, ReduceOp.from_any(op), axis, options, arrays)
         if start is not None:
             self._record(f"exact sum axis={axis}", start, arrays)
         return out
 
-    def _exact(self, arrays, op, axis, options):
+    def _exact(self, arrays, op, axis, options, value):
         what = f"deterministic {_ALL_REDUCE_WHAT[op]} axis={axis}"
-        signature = tuple((a.dtype.str, tuple(-1 if axis is not None and d == axis % a.ndim
-                                              else n for d, n in enumerate(a.shape)))
-                          for a in arrays)
+        signature = tuple((dtype_code(a.dtype), tuple(
+            -1 if axis is not None and d == axis % a.ndim else n for d, n in enumerate(a.shape)))
+            for a in arrays)
         opts, deadline = self._begin(what, signature, options)
+        refuse(what, arrays, op, value)
         kinds = {array_kind(a) for a in arrays}
         hosts = [to_host(a) if array_kind(a) != "numpy" else a for a in arrays]
 
@@ -281,9 +304,8 @@ class CollectiveEngine:
             return self._run(what, wires, opts, lambda backend, idx: backend.all_reduce(
                 self.comm, [wires[i] for i in idx], ReduceOp.SUM, opts, deadline))
 
-        sums, counts = self._guard(exact_sum, self.comm, hosts, axis, sum_across, deadline)
-        if op is ReduceOp.MEAN:
-            sums = [_divided(s, c) for s, c in zip(sums, counts)]
+        sums, counts = self._guard(exact_sum, self.comm, hosts, axis, sum_across, deadline,
+                                   op is ReduceOp.MEAN)
         if kinds != {"numpy"}:
             sums = [from_host(s, a) if array_kind(a) != "numpy" else s
                     for s, a in zip(sums, arrays)]
@@ -302,12 +324,14 @@ class CollectiveEngine:
         ``InvalidArgumentError`` (a ``ValueError``) on every rank, naming ranks.
         """
         start = timeline.begin() if timeline.ON else None
-        arrays = [_as_array(v) for v in nest.flatten(value)]
+        leaves, rebuild = flatten(value)
+        arrays = [_as_array(v) for v in leaves]
         what = f"all_gather axis={axis}"
         masked = tuple((_dtype_key(a),
                         tuple(-1 if d == _axis_or_none(axis, a.ndim) else n
                               for d, n in enumerate(a.shape))) for a in arrays)
         opts, deadline = self._begin(what, masked, options)
+        refuse(what, arrays, None, value)
         for index, array in enumerate(arrays):
             if array.ndim == 0:
                 raise InvalidArgumentError(
@@ -323,7 +347,7 @@ class CollectiveEngine:
             _axis_or_none(axis, arrays[idx[0]].ndim), deadline))
         if start is not None:
             self._record(what, start, results)
-        return nest.pack_sequence_as(value, results)
+        return rebuild(results)
 
     def _gather_counts(self, what, arrays, axis, deadline) -> List[List[int]]:
         """Rows along ``axis`` of every tensor on every rank: ``counts[tensor][rank]``."""
@@ -339,14 +363,16 @@ class CollectiveEngine:
                   options: Optional[CommunicationOptions] = None) -> Any:
         """Every rank receives ``root``'s ``value`` (same structure, shapes and dtypes)."""
         start = timeline.begin() if timeline.ON else None
-        arrays = [_as_array(v) for v in nest.flatten(value)]
+        leaves, rebuild = flatten(value)
+        arrays = [_as_array(v) for v in leaves]
         what = f"broadcast root={root}"
         opts, deadline = self._begin(what, _signature(arrays), options)
+        refuse(what, arrays, None, value)
         results = self._run(what, arrays, opts, lambda backend, idx: backend.broadcast(
             self.comm, [arrays[i] for i in idx], root, deadline))
         if start is not None:
             self._record(what, start, arrays)
-        return nest.pack_sequence_as(value, results)
+        return rebuild(results)
 
     def agree(self, what: str, signature: tuple,
               options: Optional[CommunicationOptions] = None) -> None:
@@ -381,13 +407,6 @@ class CollectiveEngine:
         self._guard(wait_all, [self.comm.Ibarrier()], deadline, "barrier")
 
 
-def _divided(total, count: int):
-    """MEAN from a SUM over ``count`` summands (integers truncate, as TensorFlow's ``Div``)."""
-    result = np.array(total, copy=True)
-    divide_for_mean(result, count)
-    return result
-
-
 def _nothing() -> None:
     return None
 
@@ -400,5 +419,7 @@ def _axis_or_none(axis: int, ndim: int) -> Optional[int]:
 
 
 _SCALAR_SIGNATURE = _signature([np.float64(0.0)])  # a Python float's, as the long path builds it
+_SCALAR_SIGNATURES: Dict[np.dtype, tuple] = {}
+_FOLD_SCALARS = frozenset(d.type for d in FOLDABLE)
 _HOST_CAPS = Capabilities(cuda_aware_mpi=False, nccl=False)  # NumPy needs no detection
 _HOST_BACKEND = select_backend("numpy", CommunicationImplementation.AUTO, _HOST_CAPS)

@@ -21,6 +21,7 @@ from mpi4py import MPI
 from mpistrat.collectives.algorithms import allreduce, choose_algorithm
 from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import Deadline
+from mpistrat.collectives.dtypes import accumulator, from_wire, to_wire
 from mpistrat.collectives.fusion import plan_buckets
 from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
 
@@ -30,14 +31,10 @@ _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
 Run = Tuple[int, int, tuple, int, int]  # (first index, count, shape, start, stop) in elements
 
 
-def wire_dtype(dtype: np.dtype) -> np.dtype:
-    """The dtype a tensor travels as: bool as bytes, half precision as float32 (MPI has
-    neither), everything else as itself."""
-    if dtype.char == "?":
-        return np.dtype(np.uint8)
-    if dtype.char == "e":
-        return np.dtype(np.float32)
-    return dtype
+def wire_dtype(dtype: np.dtype, op: ReduceOp = ReduceOp.MAX) -> np.dtype:
+    """The dtype a tensor travels and combines as (``dtypes.accumulator``): bool as bytes,
+    half precision, bfloat16 and float8 as float32, integers of a MEAN in 64 bits."""
+    return accumulator(np.dtype(dtype), op)
 
 
 def runs_of(indices: Sequence[int], shapes: Sequence[tuple], sizes: Sequence[int]) -> List[Run]:
@@ -72,11 +69,11 @@ class _BucketPlan:
 class FusedPlan:
     """How one signature's tensors travel: buckets (``fusion.plan_buckets``) with runs."""
 
-    def __init__(self, signature: Sequence[Tuple[np.dtype, tuple]], pack_bytes: int):
-        wires = [wire_dtype(d) for d, _ in signature]
+    def __init__(self, signature: Sequence[Tuple[np.dtype, tuple]], pack_bytes: int,
+                 op: ReduceOp = ReduceOp.SUM):
+        wires = [wire_dtype(d, op) for d, _ in signature]
         sizes = [int(np.prod(s, dtype=np.int64)) for _, s in signature]
         nbytes = [n * w.itemsize for n, w in zip(sizes, wires)]
-        self.has_bool = any(d.char == "?" for d, _ in signature)
         self.buckets: List[_BucketPlan] = []
         for bucket in plan_buckets(nbytes, [w.str for w in wires], pack_bytes):
             idx = bucket.indices
@@ -100,14 +97,12 @@ def fused_all_reduce(comm: MPI.Comm, arrays: Sequence[np.ndarray], op: ReduceOp,
     topology-aware choice); by default the algorithm that suits the size.
     """
     signature = tuple(map(_DTYPE_SHAPE, arrays))
-    key = (pack_bytes, signature)
+    key = (pack_bytes, op, signature)
     plan = plans.get(key)
-    if plan is None:
+    if plan is None:  # (wire_dtype raises TypeError for what the op cannot combine)
         if len(plans) > 1024:
             plans.clear()
-        plan = plans[key] = FusedPlan(signature, pack_bytes)
-    if plan.has_bool and op in (ReduceOp.SUM, ReduceOp.MEAN):
-        raise TypeError(f"ReduceOp.{op.name} does not apply to bool tensors; use MIN or MAX")
+        plan = plans[key] = FusedPlan(signature, pack_bytes, op)
     size = comm.Get_size()
     pool = default_pool()
     results: List = [None] * len(arrays)
@@ -121,8 +116,7 @@ def fused_all_reduce(comm: MPI.Comm, arrays: Sequence[np.ndarray], op: ReduceOp,
         else:             # or a lone large tensor, reduced without a packing copy
             send = np.asarray(arrays[bucket.indices[0]])
             if send.dtype != bucket.wire or not send.flags.c_contiguous:
-                send = np.ascontiguousarray(send, dtype=bucket.wire) if send.dtype.char != "?" \
-                    else np.ascontiguousarray(send).view(np.uint8)
+                send = to_wire(send, bucket.wire)
             send = send.reshape(-1)
         # 2. combine across ranks with the algorithm that suits the size (and topology)
         if combine is None:
@@ -136,7 +130,7 @@ def fused_all_reduce(comm: MPI.Comm, arrays: Sequence[np.ndarray], op: ReduceOp,
             piece = buffer[start:stop]
             if bucket.converts:
                 original = arrays[first].dtype
-                piece = piece.view(np.bool_) if original.char == "?" else piece.astype(original)
+                piece = from_wire(piece, original)
             if count == 1:
                 results[first] = piece.reshape(shape)
             else:

@@ -33,9 +33,13 @@ for float16, 53 for float64 while ``M < 1024``; beyond that float64 keeps
 ``63 - bits(M)``); on the float wire (up to 7 summands) ``F`` is 21-22 bits
 (float32) or 50-51 (float64), so even the largest values may lose their last
 2 or 3 bits, about what one or two float additions lose. Values far smaller
-than the largest lose low bits, as they would in any sum with it. Integer tensors are summed as integers (already exact). NaN or
-infinity anywhere in a tensor makes that tensor fall back to the ordinary
-float sum (the result is NaN or infinite either way)::
+than the largest lose low bits, as they would in any sum with it. Integer
+tensors are summed as 64-bit integers (already exact). NaN or infinity
+anywhere in a tensor makes that tensor fall back to the ordinary float sum
+(the result is NaN or infinite either way). float16, bfloat16 and the
+``ml_dtypes`` float8 types are widened to float32 on the way in; a MEAN divides
+in float32 (or the float itself) before the one rounding to the dtype, so a
+float16 mean of 60000 and 60000 is 60000, not the infinity of their sum::
 
     >>> import numpy as np
     >>> from mpistrat.collectives.reproducible import grid_for, max_exponent, to_fixed, from_fixed
@@ -43,7 +47,7 @@ float sum (the result is NaN or infinite either way)::
     >>> e = max_exponent(x); wire, f = grid_for(x.dtype, e, 2)
     >>> q = to_fixed(x, e, f, wire, axis=0)            # rows summed exactly
     >>> from_fixed(q, e, f, x.dtype)
-    array([0.3, 3. ], dtype=float32)
+    array([0.3000002, 3.       ], dtype=float32)
 """
 
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -53,6 +57,8 @@ from mpi4py import MPI
 
 from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import Deadline, wait_all
+from mpistrat.collectives.dtypes import accumulator, is_low_float
+from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
 from mpistrat.runtime import settings
 
 __all__ = ["DETERMINISTIC_ENV", "deterministic_default", "ZERO", "NONFINITE", "max_exponent", "grid_for", "to_fixed", "from_fixed",
@@ -61,7 +67,7 @@ __all__ = ["DETERMINISTIC_ENV", "deterministic_default", "ZERO", "NONFINITE", "m
 DETERMINISTIC_ENV = "MPISTRAT_DETERMINISTIC"
 ZERO = -(1 << 30)       # exponent of an all-zero (or empty) tensor
 NONFINITE = 1 << 30     # exponent of a tensor holding NaN or infinity
-_SIGNIFICAND = {2: 11, 4: 24, 8: 53}   # bits, by float itemsize
+_SIGNIFICAND = {1: 11, 2: 11, 4: 24, 8: 53}   # bits kept, by float itemsize (float8: >= all)
 
 
 def deterministic_default() -> bool:
@@ -71,17 +77,20 @@ def deterministic_default() -> bool:
 
 def is_exact_kind(dtype) -> bool:
     """Whether ``dtype`` goes through the fixed-point path (floating point, real or complex)."""
-    return np.dtype(dtype).kind in "fc"
+    dtype = np.dtype(dtype)
+    return dtype.kind in "fc" or is_low_float(dtype)
 
 
 def _real(array: np.ndarray) -> np.ndarray:
-    """Complex values as pairs of reals (a view), real ones unchanged; float16 widened to
-    float32 (whose range holds the scaled integers)."""
+    """Complex values as pairs of reals (a view), real ones unchanged; float16, bfloat16 and
+    float8 widened to float32 (whose range holds the scaled integers); native byte order."""
     if array.dtype.kind == "c":
-        array = np.ascontiguousarray(array)
+        array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("="))
         return array.view(array.real.dtype).reshape(array.shape + (2,))
-    if array.dtype.itemsize < 4:
+    if is_low_float(array.dtype):
         return array.astype(np.float32)
+    if not array.dtype.isnative:
+        return array.astype(array.dtype.newbyteorder("="))
     return array
 
 
@@ -171,30 +180,38 @@ def to_fixed(array: np.ndarray, exponent: int, fraction_bits: int, wire,
     return fixed if axis is None else np.sum(fixed, axis=axis, dtype=wire)
 
 
-def from_fixed(total: np.ndarray, exponent: int, fraction_bits: int, dtype) -> np.ndarray:
-    """``total * 2**(E-F)`` in ``dtype``: one rounding of the exact integer sum."""
+def from_fixed(total: np.ndarray, exponent: int, fraction_bits: int, dtype,
+               divisor: int = 1) -> np.ndarray:
+    """``total * 2**(E-F) / divisor`` in ``dtype``: one rounding of the exact integer sum
+    (``divisor``, a MEAN's count, divides in float32 or wider first)."""
     dtype = np.dtype(dtype)
-    real_dtype = dtype.type(0).real.dtype
-    work = np.dtype(np.float32) if real_dtype.itemsize < 4 else real_dtype
+    if dtype.kind == "c":
+        real_dtype = np.dtype(f"f{dtype.itemsize // 2}")
+    else:
+        real_dtype = np.dtype(np.float32) if is_low_float(dtype) else dtype.newbyteorder("=")
     if exponent == ZERO:
         out = np.zeros(total.shape, dtype=real_dtype)
     elif total.dtype.kind == "f":  # summed on the grid in the float itself: already exact
-        out = total.astype(real_dtype, copy=False)
+        out = total.astype(real_dtype, copy=divisor != 1)
     else:
-        out = default_pool().take(total.shape, work)
+        out = default_pool().take(total.shape, real_dtype)
         np.copyto(out, total, casting="unsafe")  # the one rounding (exact for int32 -> f64)
         _scaled(out, exponent - fraction_bits, out=out)
-        out = out.astype(real_dtype, copy=False)
+    if divisor != 1:
+        out /= divisor
     if dtype.kind == "c":
-        return np.ascontiguousarray(out).view(dtype).reshape(out.shape[:-1])
-    return out
+        out = np.ascontiguousarray(out).view(dtype.newbyteorder("=")).reshape(out.shape[:-1])
+    return out.astype(dtype, copy=False)
 
 
 def exact_sum(comm: MPI.Comm, arrays: Sequence[np.ndarray], axis: Optional[int],
               all_reduce_sum: Callable[[List[np.ndarray]], List[np.ndarray]],
-              deadline: Optional[Deadline] = None) -> Tuple[List[np.ndarray], List[int]]:
+              deadline: Optional[Deadline] = None,
+              mean: bool = False) -> Tuple[List[np.ndarray], List[int]]:
     """Reproducible SUM of ``arrays`` over ``comm``: element-wise (``axis=None``) or of
-    all rows along ``axis``. Returns the sums and each tensor's global summand count.
+    all rows along ``axis``. Returns the sums (``mean``: divided by the summand count
+    before the one rounding; integers truncate toward zero) in each array's dtype, and each
+    tensor's global summand count.
 
     ``all_reduce_sum(list)`` must SUM a list of arrays across ranks (it may fuse
     them); it is called once, with every tensor's integers and every integer tensor.
@@ -222,15 +239,21 @@ def exact_sum(comm: MPI.Comm, arrays: Sequence[np.ndarray], axis: Optional[int],
             wire, bits = grid_for(array.dtype, exponent, counts[index])
             grids[index] = (exponent, bits)
             wires.append(to_fixed(array, exponent, bits, wire, axis))
-        else:
-            wires.append(array if axis is None else np.sum(array, axis=axis, dtype=array.dtype))
+        else:  # integers in 64 bits (exact, and a MEAN of uint8 cannot wrap), floats wide
+            wide = accumulator(array.dtype, ReduceOp.MEAN)
+            wires.append(array.astype(wide, copy=False) if axis is None
+                         else np.sum(array, axis=axis, dtype=wide))
     # 3. one integer SUM across ranks, then back to each dtype
     totals = all_reduce_sum(wires)
     results = []
     for index, (array, total) in enumerate(zip(arrays, totals)):
         if index in grids:
             exponent, bits = grids[index]
-            results.append(from_fixed(np.asarray(total), exponent, bits, array.dtype))
+            results.append(from_fixed(np.asarray(total), exponent, bits, array.dtype,
+                                      counts[index] if mean else 1))
         else:
-            results.append(np.asarray(total))
+            total = np.array(total, copy=True)
+            if mean:
+                divide_for_mean(total, counts[index])
+            results.append(total.astype(array.dtype, copy=False))
     return results, counts

@@ -25,10 +25,13 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.collectives.deadline import Deadline, wait_all
+from mpistrat.collectives.dtypes import dtype_code
+from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.runtime import settings
 
 __all__ = ["Signature", "validation_enabled", "agree", "start_agree", "Probe", "PAYLOAD_SLOTS",
+           "FOLDABLE", "fold_result",
            "describe_mismatch", "format_ranks"]
 
 Signature = Tuple[Tuple[str, Tuple[int, ...]], ...]
@@ -69,15 +72,21 @@ def _dtype_name(code: str) -> str:
         name = np.dtype(head).name
     except TypeError:
         return code
+    if not np.dtype(head).isnative:
+        name += f" ({head[0]} byte order)"
     return f"{name} {note}" if note else name
 
 
 def _describe_tensor(entry) -> str:
+    """``float64[3]``, ``float64[?,3]`` (rows may differ), ``float32[2] (jax array)``."""
     if entry is None:
         return "nothing"
     dtype, shape = entry
-    dtype = _dtype_name(dtype)
-    return f"{dtype}[{','.join('?' if d < 0 else str(d) for d in shape)}]"
+    dtype, _, kind = dtype.partition("@")
+    kind, _, note = kind.partition(" ")
+    dtype = _dtype_name(dtype + (f" {note}" if note else ""))
+    text = f"{dtype}[{','.join('?' if d < 0 else str(d) for d in shape)}]"
+    return f"{text} ({kind} array)" if kind else text
 
 
 def describe_mismatch(what: str, signatures: Sequence[Signature]) -> str:
@@ -203,9 +212,27 @@ class Probe:
         return self.recv[0]
 
 
+# Dtypes whose values, and sums of them over any realistic number of ranks, float64 holds
+# exactly: small SUM/MEAN of these ride in the validation probe (``Probe``), one collective.
+FOLDABLE = frozenset(np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int8,
+                                            np.int16, np.int32, np.uint8, np.uint16, np.uint32))
+_FLOAT64 = np.dtype(np.float64)
+
+
+def fold_result(total: np.ndarray, op: ReduceOp, size: int, dtype) -> np.ndarray:
+    """A folded sum (float64, exact for ``FOLDABLE`` values) as ``dtype``: a MEAN divides
+    first (integers truncate toward zero), then one rounding."""
+    if op is ReduceOp.MEAN:
+        if dtype.kind in "iu":  # (|sum| < size * 2**32: the quotient truncates exactly)
+            total = np.trunc(total / size)
+        else:
+            total /= size
+    return total if dtype == _FLOAT64 else total.astype(dtype)
+
+
 def _plain(signature) -> Signature:
     """Entries as ``(dtype string, shape)``, whichever dtype form the caller used."""
-    return tuple((d if isinstance(d, str) else np.dtype(d).str, tuple(s)) for d, s in signature)
+    return tuple((d if isinstance(d, str) else dtype_code(d), tuple(s)) for d, s in signature)
 
 
 def _raise_mismatch(comm: MPI.Comm, what: str, signature: Signature, timed: bool) -> None:

@@ -20,12 +20,16 @@ from typing import Any, Callable, Iterator, Optional, Tuple
 import numpy as np
 
 from mpistrat import nest
-from mpistrat.collectives import CollectiveEngine, ReduceOp, divide_for_mean
+from mpistrat.collectives import CollectiveEngine, ReduceOp
+from mpistrat.collectives.dtypes import check_reducible, dtype_code
+from mpistrat.collectives.structure import flatten
 from mpistrat.distribute.context import ValueContext, current_strategy_entry, entered
+from mpistrat.distribute.reduction import (LazyNames, as_array, combine_local, mean, partial,
+                                           restore, same_shapes)
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.distribute.results import scalars_to_numpy
 from mpistrat.distribute.values import DistributedValues, Mirrored, PerReplica, local_component
-from mpistrat.runtime.devices import array_kind, array_module
+from mpistrat.runtime.devices import array_module
 
 __all__ = ["Strategy", "StrategyExtended"]
 
@@ -186,6 +190,12 @@ class Strategy:
         ``axis=None``: element-wise (``MEAN`` divides by ``num_replicas_in_sync``).
         ``axis=k``: also reduce along dimension ``k``; ``MEAN`` divides by the
         total number of rows along ``k`` over all replicas.
+
+        ``value`` may be any nest or JAX pytree (``nnx.State``, optax states, ...): the
+        result has its structure, and each tensor comes back as the kind of array it was
+        (NumPy, JAX on its device, CuPy) with its dtype, for both axis rules. Types MPI
+        lacks (bfloat16, float8, float16) combine in float32 and round once; integer
+        ``MEAN`` sums in 64 bits and truncates toward zero (``collectives/dtypes.py``).
         """
         self._require_cross_replica("reduce")
         op = ReduceOp.from_any(reduce_op)
@@ -201,62 +211,76 @@ class Strategy:
         self._require_cross_replica("gather")
         if len(self._extended.local_replica_ids) > 1:  # this rank's replicas, in order
             components = self.experimental_local_results(value)
-            leaves = [[np.asarray(x) for x in nest.flatten(c)] for c in components]
+            flat = [flatten(c) for c in components]
+            originals = flat[0][0]
+            leaves = [[as_array(x) for x in f[0]] for f in flat]
             if any(a.ndim == 0 for a in leaves[0]) or any(
                     not -a.ndim <= axis < a.ndim for a in leaves[0]):
                 return self._extended.engine.all_gather(_local(value), axis)  # raises together
-            local = nest.pack_sequence_as(components[0], [
-                np.concatenate(parts, axis=axis) for parts in zip(*leaves)])
+            local = flat[0][1]([restore(array_module(parts[0]).concatenate(parts, axis=axis),
+                                         like) for parts, like in zip(zip(*leaves), originals)])
         else:
             local = _local(value)
         return self._extended.engine.all_gather(local, axis)
 
     def _reduce_components(self, op: ReduceOp, components: tuple, axis: Optional[int],
                            options=None):
-        """Reduce this rank's replicas' values (one nest each) here, then across ranks."""
-        leaves = list(zip(*[[_as_array(x) for x in nest.flatten(c)] for c in components]))
+        """Reduce this rank's replicas' values (one nest each) here, then across ranks.
+
+        Every step combines in ``dtypes.accumulator`` (float32 for bfloat16, 64 bits for an
+        integer MEAN); each result is rounded once to its input's dtype and handed back as
+        its kind of array (``_restore``)."""
+        flat = [flatten(c) for c in components]
+        originals, rebuild = flat[0]
+        leaves = list(zip(*[[as_array(x) for x in f[0]] for f in flat]))
         engine = self._extended.engine
         ids = self._extended.local_replica_ids
         exact = op in (ReduceOp.SUM, ReduceOp.MEAN) and engine.is_deterministic(options)
+
+        def done(results):
+            return scalars_to_numpy(rebuild([restore(r, like) for r, like in
+                                             zip(results, originals)]))
+
         if axis is None and exact and len(ids) > 1:  # the replicas' values are the rows
             for parts in leaves:
-                _same_shapes(parts, ids)
-            sums, counts = engine.exact_sum([np.stack(parts) for parts in leaves], 0, options)
-            results = [_mean(s, c) if op is ReduceOp.MEAN else s for s, c in zip(sums, counts)]
-            return scalars_to_numpy(nest.pack_sequence_as(components[0], results))
+                same_shapes(parts, ids)
+            return done(engine.exact_sum([np.stack(parts) for parts in leaves], 0, options,
+                                         op)[0])
         if axis is None:
-            combined = [_combine_local(op, list(parts), ids) for parts in leaves]
+            combined = [combine_local(op, list(parts), ids) for parts in leaves]
             results = engine.all_reduce(combined, ReduceOp.SUM if op is ReduceOp.MEAN else op,
                                         options)
             if op is ReduceOp.MEAN:
-                results = [_mean(r, self.num_replicas_in_sync) for r in results]
-            return scalars_to_numpy(nest.pack_sequence_as(components[0], results))
+                results = [mean(r, self.num_replicas_in_sync) for r in results]
+            return done(results)
         bad = [i for i, parts in enumerate(leaves)
                if any(not -a.ndim <= axis < a.ndim for a in parts)]
         # Agree first, so that every rank raises together (never one rank alone).
         # (Rows along the axis may differ between replicas; the other dimensions may not.)
         engine.agree(f"reduce axis={axis}", tuple(
-            (a.dtype.str + " (axis out of range)", a.shape) if i in bad else
-            (a.dtype.str, tuple(-1 if d == axis % a.ndim else n for d, n in enumerate(a.shape)))
+            (dtype_code(a.dtype) + " (axis out of range)", a.shape) if i in bad else
+            (dtype_code(a.dtype), tuple(-1 if d == axis % a.ndim else n
+                                        for d, n in enumerate(a.shape)))
             for i, a in enumerate(parts[0] for parts in leaves)))
         if bad:
             shapes = ", ".join(str(leaves[i][0].shape) for i in bad)
             raise ValueError(f"reduce: axis {axis} is out of range for value(s) of shape {shapes}")
+        # the ranks agreed on every dtype: each raises the same refusal, together
+        check_reducible(f"reduce {op.name} axis={axis}", [p[0] for p in leaves], op,
+                        LazyNames(components[0]))
         if exact:  # every row a summand of one exact sum, wherever it lives
             rows_here = [parts[0] if len(parts) == 1 else np.concatenate(parts, axis=axis)
                          for parts in leaves]
-            sums, counts = engine.exact_sum(rows_here, axis, options)
-            results = [s / c if op is ReduceOp.MEAN else s for s, c in zip(sums, counts)]
-            return scalars_to_numpy(nest.pack_sequence_as(components[0], results))
-        partials = [_combine_local(op, [_partial(op, a, axis) for a in parts], ids)
+            return done(engine.exact_sum(rows_here, axis, options, op)[0])
+        partials = [combine_local(op, [partial(op, a, axis) for a in parts], ids)
                     for parts in leaves]
         if op is ReduceOp.MEAN:  # the global sum over the global number of rows along the axis
             rows = np.array([sum(a.shape[axis] for a in parts) for parts in leaves], np.int64)
             sums, totals = engine.all_reduce((partials, rows), ReduceOp.SUM)
-            results = [s / t for s, t in zip(sums, totals)]
+            results = [mean(s, int(t)) for s, t in zip(sums, totals)]
         else:
             results = engine.all_reduce(partials, op)
-        return scalars_to_numpy(nest.pack_sequence_as(components[0], results))
+        return done(results)
 
     # -- distributed values --------------------------------------------------
     def experimental_local_results(self, value: Any) -> tuple:
@@ -330,51 +354,3 @@ def _input_distribution(kind: str):
     if kind not in _INPUT:  # `import mpistrat` always imports mpistrat.data, which registers
         raise RuntimeError("datasets are provided by mpistrat.data: import mpistrat first")
     return _INPUT[kind]
-
-
-_IDENTITY = {ReduceOp.MIN: "max", ReduceOp.MAX: "min"}
-
-
-def _as_array(value: Any):
-    """``value`` as an array: CuPy arrays stay on their GPU, anything else goes to NumPy."""
-    return value if array_kind(value) == "cupy" else np.asarray(value)
-
-
-def _partial(op: ReduceOp, array: np.ndarray, axis: int) -> np.ndarray:
-    """This replica's contribution along ``axis`` (empty batches give the identity)."""
-    if op in (ReduceOp.SUM, ReduceOp.MEAN):
-        return np.sum(array, axis=axis)
-    fn = np.min if op is ReduceOp.MIN else np.max
-    if array.shape[axis] == 0:
-        info = np.finfo(array.dtype) if array.dtype.kind == "f" else np.iinfo(array.dtype)
-        fill = getattr(info, _IDENTITY[op])
-        return array_module(array).full(tuple(np.delete(array.shape, axis)), fill,
-                                        dtype=array.dtype)
-    return fn(array, axis=axis)
-
-
-def _same_shapes(parts, replica_ids) -> None:
-    """``ValueError`` unless this rank's replicas hold values of one shape."""
-    shapes = {a.shape for a in parts}
-    if len(shapes) > 1:
-        described = "; ".join(f"replica {r}: {list(a.shape)}" for r, a in zip(replica_ids, parts))
-        raise ValueError(f"reduce: the replicas of this rank have values of different shapes "
-                         f"({described}); use axis=0 to reduce batches of different sizes")
-
-
-def _combine_local(op: ReduceOp, parts, replica_ids) -> np.ndarray:
-    """Combine one tensor's values of this rank's replicas (equal shapes required)."""
-    _same_shapes(parts, replica_ids)
-    if len(parts) == 1:
-        return parts[0]
-    stacked = np.stack(parts)
-    if op in (ReduceOp.SUM, ReduceOp.MEAN):
-        return np.sum(stacked, axis=0, dtype=stacked.dtype)
-    return (np.min if op is ReduceOp.MIN else np.max)(stacked, axis=0)
-
-
-def _mean(total: np.ndarray, count: int) -> np.ndarray:
-    """MEAN's division (integers truncate toward zero, as TensorFlow's ``Div``)."""
-    result = np.array(total, copy=True)
-    divide_for_mean(result, count)
-    return result

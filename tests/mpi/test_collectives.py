@@ -13,9 +13,6 @@ import mpistrat as ms
 from mpistrat.collectives import CollectiveEngine
 from mpistrat.collectives.algorithms import allreduce
 
-DTYPE_NAMES = ("validation errors spell device dtypes as '<f8@KIND', not 'float64' "
-               "(collectives/validation.py, coll stream)")
-
 
 def engine_for(world, **options):
     return CollectiveEngine(world.comm, ms.CommunicationOptions(**options))
@@ -99,8 +96,7 @@ def test_mismatched_shapes_raise_on_every_rank_naming_the_ranks(world, arrays):
     assert "tensor 1" in text
     # The engine is still usable afterwards.
     arrays.assert_equal(engine.all_reduce(xp.ones(1), "SUM"), [world.size])
-    with arrays.gap(DTYPE_NAMES):
-        assert "rank 1 has float64[4]" in text and "float64[3]" in text
+    assert "rank 1 has float64[4]" in text and "float64[3]" in text
 
 
 @pytest.mark.mpi(min_size=2)
@@ -111,8 +107,7 @@ def test_mismatched_dtype_and_different_collectives_are_named(world, arrays):
         engine.all_reduce(arrays.xp.ones(2, dtype=dtype), "SUM")
     with pytest.raises(ValueError, match="different collectives"):
         engine.all_reduce(arrays.xp.ones(2), "SUM" if world.rank == 0 else "MAX")
-    with arrays.gap(DTYPE_NAMES):
-        assert "rank 0 has float32" in str(info.value)
+    assert "rank 0 has float32" in str(info.value)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -141,8 +136,7 @@ def test_all_gather_rejects_other_dimension_mismatches_and_scalars(world, arrays
         engine.all_gather(arrays.asarray(1.0), axis=0)
     with pytest.raises(ValueError, match="out of range"):
         engine.all_gather(xp.ones(2), axis=1)
-    with arrays.gap(DTYPE_NAMES):
-        assert "rank 1 has float64[?,3]" in str(info.value)
+    assert "rank 1 has float64[?,3]" in str(info.value)
 
 
 @pytest.mark.mpi(min_size=2)

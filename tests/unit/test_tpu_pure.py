@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import mpistrat as ms
-from mpistrat.distribute.strategy import _combine_local, _mean
+from mpistrat.distribute.reduction import combine_local as _combine_local, mean as _mean
 from mpistrat.runtime import jax_bridge
 
 

@@ -18,12 +18,13 @@ from mpi4py import MPI
 
 from mpistrat.collectives.algorithms import explain_algorithm
 from mpistrat.collectives.deadline import Deadline
+from mpistrat.collectives.dtypes import accumulator, raw_bits
 from mpistrat.collectives.fusion import plan_buckets
 from mpistrat.collectives.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.errors import InvalidArgumentError
 
-__all__ = ["Backend", "DeviceBufferRefused", "refuse_device_buffers", "wire_dtype", "movable",
+__all__ = ["Backend", "DeviceBufferRefused", "refuse_device_buffers", "wire_dtype", "movable", "factor",
            "plan_members", "PlanCache", "options_of"]
 
 
@@ -48,27 +49,28 @@ def refuse_device_buffers(arrays: Sequence, backend: str) -> None:
 
 
 def wire_dtype(dtype: np.dtype, op: Optional[ReduceOp]) -> np.dtype:
-    """The dtype a tensor travels as over MPI: bool as bytes, half precision widened."""
-    char = dtype.char
-    if char == "?":
-        if op is ReduceOp.SUM or op is ReduceOp.MEAN:
-            raise TypeError(f"ReduceOp.{op.name} does not apply to bool tensors; use MIN or MAX")
-        return np.dtype(np.uint8)
-    if char == "e" and op is not None:  # MPI has no half precision: reduce in float32
-        return np.dtype(np.float32)
-    return dtype
-
-
-_MPI_CHARS = set("?bBhHiIlLqQfdgFDG")  # NumPy types that MPI moves natively
+    """The dtype a tensor travels as over MPI: for a reduction (``op``), the dtype it combines
+    in (``dtypes.accumulator``: low-precision floats in float32, integer MEAN in 64 bits, bool
+    as bytes); for a gather or broadcast (``op=None``), its raw bits (``dtypes.raw_bits``)."""
+    dtype = np.dtype(dtype)
+    return accumulator(dtype, op) if op is not None else raw_bits(dtype)
 
 
 def movable(array):
-    """``array`` as MPI can move it unchanged: a type MPI lacks (half precision, bfloat16)
-    travels as unsigned integers of its size, bit for bit (for gathers and broadcasts)."""
-    if array.dtype.char in _MPI_CHARS:
+    """``array`` as MPI can move it unchanged, bit for bit (for gathers and broadcasts): types
+    MPI lacks (half precision, bfloat16, float8, a foreign byte order) as unsigned integers
+    of their size; other fixed-size records (strings) as bytes, ``factor(array)`` per element."""
+    raw = raw_bits(array.dtype)
+    if raw == array.dtype:
         return array
-    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(array.dtype.itemsize)
-    return array.view(unsigned) if unsigned is not None else array
+    if raw.itemsize == array.dtype.itemsize:
+        return array.view(raw)
+    return np.ascontiguousarray(array).reshape(-1).view(raw)
+
+
+def factor(array) -> int:
+    """How many ``movable`` elements one element of ``array`` becomes (1 but for records)."""
+    return array.dtype.itemsize // raw_bits(array.dtype).itemsize
 
 
 def options_of(options: Any) -> CommunicationOptions:

@@ -16,17 +16,19 @@ buffers are refused by name: this backend's MPI may not be CUDA-aware::
 
 import numpy as np
 
+from mpistrat.collectives import algorithms
 from mpistrat.collectives.algorithms import RING_THRESHOLD_BYTES, allreduce, choose_algorithm
 from mpistrat.collectives.backends import hierarchical
-from mpistrat.collectives.backends.base import (Backend, movable, options_of,
+from mpistrat.collectives.backends.base import (Backend, factor, movable, options_of,
                                                 refuse_device_buffers, wire_dtype)
 from mpistrat.collectives.buffer_pool import default_pool
+from mpistrat.collectives.dtypes import from_wire, to_wire
 from mpistrat.collectives.deadline import wait_all
 from mpistrat.collectives.packing import fused_all_reduce
 from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
 from mpistrat.collectives.topology import comm_topology
 
-__all__ = ["HostMPI", "host_allreduce"]
+__all__ = ["HostMPI", "host_allreduce", "broadcast_buffer"]
 
 # Below this size a plain allocation is as cheap as the pool's bookkeeping.
 _POOL_MIN_BYTES = 64 << 10
@@ -36,15 +38,25 @@ def _wire(array: np.ndarray, op: ReduceOp) -> np.ndarray:
     """The contiguous buffer that travels for ``array`` (the array itself where possible)."""
     dtype = wire_dtype(array.dtype, op)
     if dtype is not array.dtype and dtype != array.dtype:
-        if array.dtype.char == "?":
-            return np.ascontiguousarray(array).view(np.uint8)
-        return np.ascontiguousarray(array, dtype=dtype)
+        return to_wire(array, dtype)
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
 def host_allreduce(comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp, deadline,
                    preference: str = "auto") -> str:
-    """Combine one contiguous host buffer with the algorithm chosen for it; return its name."""
+    """Combine one contiguous host buffer with the algorithm chosen for it; return its name.
+
+    A buffer of more elements than one MPI message carries (``algorithms.MESSAGE_ELEMENTS``,
+    MPI's ``int`` count) is combined in pieces that fit, one after another."""
+    limit = algorithms.MESSAGE_ELEMENTS
+    if send.size > limit:
+        flat_send, flat_recv = send.reshape(-1), recv.reshape(-1)
+        name = "mpi"
+        for start in range(0, send.size, limit):
+            piece = flat_recv[start:start + limit]
+            name = host_allreduce(comm, piece if send is recv else flat_send[start:start + limit],
+                                  piece, op, deadline, preference)
+        return name
     size = comm.Get_size()
     # the topology matters only where the size rules leave a choice (it is measured once)
     needs_topology = size > 1 and preference == "auto" and 0 <= RING_THRESHOLD_BYTES <= send.nbytes
@@ -92,7 +104,7 @@ class HostMPI(Backend):
         if op is ReduceOp.MEAN:
             divide_for_mean(out, size)
         if wire.dtype is not original.dtype:
-            return out.view(np.bool_) if original.dtype.char == "?" else out.astype(original.dtype)
+            return from_wire(out, original.dtype)
         return out
 
     def all_gather(self, comm, arrays, counts, axis, deadline):
@@ -102,14 +114,24 @@ class HostMPI(Backend):
             array = np.asarray(array)
             # 1. bring the gather axis to the front, so each rank's block is contiguous
             front = np.ascontiguousarray(np.moveaxis(array, axis, 0))
-            row_elems = int(np.prod(front.shape[1:], dtype=np.int64))
+            row_elems = int(np.prod(front.shape[1:], dtype=np.int64)) * factor(front)
             gathered = np.empty((sum(rows),) + front.shape[1:], dtype=front.dtype)
-            # 2. variable-count gather in rank order
-            spec = [movable(gathered), [r * row_elems for r in rows]]
-            if deadline is None:
-                comm.Allgatherv(movable(front), spec)
+            # 2. variable-count gather in rank order (MPI's counts and displacements are C ints:
+            #    a larger result goes block by block, each broadcast by its owner in pieces)
+            sizes = [r * row_elems for r in rows]
+            if sum(sizes) > algorithms.MESSAGE_ELEMENTS:
+                flat, mine = movable(gathered).reshape(-1), movable(front).reshape(-1)
+                offsets = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+                rank = comm.Get_rank()
+                flat[offsets[rank]:offsets[rank + 1]] = mine
+                for owner in range(comm.Get_size()):
+                    broadcast_buffer(comm, flat[offsets[owner]:offsets[owner + 1]], owner,
+                                     deadline)
+            elif deadline is None:
+                comm.Allgatherv(movable(front), [movable(gathered), sizes])
             else:
-                wait_all([comm.Iallgatherv(movable(front), spec)], deadline, "all_gather")
+                wait_all([comm.Iallgatherv(movable(front), [movable(gathered), sizes])],
+                         deadline, "all_gather")
             # 3. put the axis back where it was
             results.append(np.moveaxis(gathered, 0, axis))
         return results
@@ -119,9 +141,17 @@ class HostMPI(Backend):
         results = []
         for array in arrays:
             buffer = np.array(array, copy=True, order="C")
-            if deadline is None:
-                comm.Bcast(movable(buffer), root=root)
-            else:
-                wait_all([comm.Ibcast(movable(buffer), root=root)], deadline, "broadcast")
+            broadcast_buffer(comm, movable(buffer).reshape(-1), root, deadline)
             results.append(buffer)
         return results
+
+
+def broadcast_buffer(comm, flat: np.ndarray, root: int, deadline) -> None:
+    """``Bcast`` of a flat host buffer, in messages MPI's ``int`` counts can carry."""
+    limit = algorithms.MESSAGE_ELEMENTS
+    for start in range(0, max(flat.size, 1), limit):
+        piece = flat[start:start + limit]
+        if deadline is None:
+            comm.Bcast(piece, root=root)
+        else:
+            wait_all([comm.Ibcast(piece, root=root)], deadline, "broadcast")

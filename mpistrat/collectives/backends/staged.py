@@ -21,6 +21,7 @@ import numpy as np
 
 from mpistrat.collectives.backends.base import Backend, PlanCache, options_of, wire_dtype
 from mpistrat.collectives.backends.host import HostMPI, host_allreduce
+from mpistrat.collectives.dtypes import is_foreign
 from mpistrat.collectives.backends.pipeline import (STAGE_CHUNK_BYTES, HostBufferPool,
                                                     chunk_ranges, run_pipeline)
 from mpistrat.collectives.options import CommunicationImplementation
@@ -211,8 +212,18 @@ class StagedHostMPI(Backend):
         return [from_host(r, like) for r, like in zip(results, arrays)]
 
 
+_CUPY_CHARS = frozenset("?bBhHiIlLqQefdFD")  # dtypes CuPy holds (not bfloat16 or float8)
+
+
 def on_cuda(array) -> bool:
-    """Whether ``array`` is CUDA memory CuPy can take (CuPy arrays, JAX GPU arrays, others)."""
+    """Whether ``array`` is CUDA memory CuPy can take (CuPy arrays, JAX GPU arrays, others).
+
+    A JAX GPU array of a dtype CuPy lacks (bfloat16, float8) is not: it is copied whole
+    to the host, where ``dtypes.accumulator`` widens it."""
+    dtype = getattr(array, "dtype", None)
+    if dtype is not None and (np.dtype(dtype).char not in _CUPY_CHARS or is_foreign(dtype)
+                              or not np.dtype(dtype).isnative):
+        return False
     kind = array_kind(array)
     if kind in ("cupy", "cuda"):
         return True

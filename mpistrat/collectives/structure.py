@@ -1,0 +1,89 @@
+"""The structure of a collective's value: what is a tensor and what is a container.
+
+Dicts, lists, tuples and namedtuples are walked as ``mpistrat.nest`` walks them.
+Any JAX pytree node (``jax.tree_util`` registered classes: ``nnx.State``,
+``flax.struct`` dataclasses, Equinox modules, custom nodes) is structure too,
+not a leaf: when one appears, the whole value is flattened by
+``jax.tree_util`` and rebuilt into the same treedef. JAX is never imported
+here; its registry is asked only when a value holds something that is
+neither a container nor an array::
+
+    >>> import numpy as np
+    >>> from mpistrat.collectives.structure import flatten, leaf_names
+    >>> leaves, rebuild = flatten({"b": [np.ones(2), 3.0], "a": np.zeros(1)})
+    >>> len(leaves), rebuild([1, 2, 3])
+    (3, {'a': 1, 'b': [2, 3]})
+    >>> leaf_names({"b": [np.ones(2), 3.0], "a": np.zeros(1)})
+    ["['a']", "['b'][0]", "['b'][1]"]
+"""
+
+import sys
+from typing import Any, Callable, List, Tuple
+
+import numpy as np
+
+from mpistrat import nest
+from mpistrat.runtime.devices import array_kind
+
+__all__ = ["flatten", "leaf_names", "is_tensor"]
+
+_SCALARS = (float, int, complex, bool, np.ndarray, np.generic)
+
+
+def is_tensor(value: Any) -> bool:
+    """A leaf a collective combines: an array of any kind, or a number."""
+    return isinstance(value, _SCALARS) or array_kind(value) != "numpy"
+
+
+def _pytree_node(value: Any) -> bool:
+    """Whether JAX (when already imported) flattens ``value`` into children."""
+    if value is None or is_tensor(value) or "jax" not in sys.modules:
+        return False
+    import jax
+    leaves, treedef = jax.tree_util.tree_flatten(value)
+    return not (len(leaves) == 1 and leaves[0] is value)
+
+
+def _needs_jax(value: Any) -> bool:
+    if not isinstance(value, (dict, list, tuple)):
+        return _pytree_node(value)
+    return any(not is_tensor(leaf) and _pytree_node(leaf) for leaf in nest.flatten(value))
+
+
+def flatten(value: Any) -> Tuple[List[Any], Callable[[List[Any]], Any]]:
+    """``(leaves, rebuild)``: ``rebuild(new_leaves)`` is ``value``'s structure around them."""
+    if _needs_jax(value):
+        import jax
+        leaves, treedef = jax.tree_util.tree_flatten(value)
+        return leaves, treedef.unflatten
+    if isinstance(value, (dict, list, tuple)):
+        return nest.flatten(value), lambda leaves: nest.pack_sequence_as(value, leaves)
+    return [value], _first
+
+
+def _first(leaves: List[Any]) -> Any:
+    return leaves[0]
+
+
+def leaf_names(value: Any) -> List[str]:
+    """The path of every leaf of ``value``, in ``flatten``'s order (``"['w'][0]"``;
+    ``"value"`` for a lone tensor). For error messages: not on any fast path."""
+    if _needs_jax(value):
+        import jax
+        pairs, _ = jax.tree_util.tree_flatten_with_path(value)
+        return [jax.tree_util.keystr(path) or "value" for path, _ in pairs]
+    names: List[str] = []
+    _walk(value, "", names)
+    return names or ["value"]
+
+
+def _walk(value: Any, prefix: str, names: List[str]) -> None:
+    if isinstance(value, dict):
+        for key in nest._sorted_keys(value):
+            _walk(value[key], f"{prefix}[{key!r}]", names)
+    elif isinstance(value, (list, tuple)):
+        fields = getattr(value, "_fields", None)
+        for index, item in enumerate(value):
+            _walk(item, f"{prefix}.{fields[index]}" if fields else f"{prefix}[{index}]", names)
+    else:
+        names.append(prefix or "value")

@@ -13,6 +13,14 @@ host, and a restore puts the value back on the device::
     >>> v = ms.Variable(1.0)                  # outside any scope: an ordinary variable
     >>> v.assign_add(2.0).numpy()
     array(3.)
+
+A distributed variable used outside every scope behaves as TensorFlow's: the
+code runs as if in its strategy's scope, in cross-replica context. A write
+there applies the same value on every replica (``assign_add(1)`` on a
+``SUM``-aggregated mirrored variable adds 1, at any width), and a read of an
+``ON_READ`` variable returns the combined value (a collective: every rank
+must read it). Only inside ``strategy.run`` do writes go through the
+aggregation and ``ON_READ`` reads see the replica's own value.
 """
 
 import enum
@@ -22,7 +30,7 @@ import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from mpistrat.collectives import ReduceOp
-from mpistrat.distribute.context import current_strategy_entry, get_replica_context
+from mpistrat.distribute.context import current_strategy_entry
 from mpistrat.runtime.devices import array_kind, cupy_available
 
 __all__ = ["Variable", "VariableAggregation", "VariableSynchronization"]
@@ -104,10 +112,22 @@ class Variable(NDArrayOperatorsMixin):
     def dtype(self):
         return self._value.dtype
 
+    def _in_replica_context(self) -> bool:
+        """Whether a read or write of this variable happens in replica context.
+
+        Outside every scope a distributed variable is used as if in its own
+        strategy's scope: cross-replica context, as TensorFlow enters the
+        variable's strategy there. Inside a scope (or ``run``), the current
+        context decides.
+        """
+        entry = current_strategy_entry()
+        return entry is not None and entry.replica_context is not None
+
     # -- reading -----------------------------------------------------------------
     def read_value(self) -> np.ndarray:
-        """The value: this replica's, or for ``ON_READ`` in cross-replica context the combined one."""
-        if (self._strategy is not None and get_replica_context() is None
+        """The value: this replica's, or for ``ON_READ`` in cross-replica context (which
+        includes outside every scope) the combined one."""
+        if (self._strategy is not None and not self._in_replica_context()
                 and self.synchronization is VariableSynchronization.ON_READ):
             return self._combined()
         return self._value
@@ -197,7 +217,7 @@ class Variable(NDArrayOperatorsMixin):
         the current context).
         """
         if in_replica is None:
-            in_replica = get_replica_context() is not None
+            in_replica = self._in_replica_context()
         on_read = self.synchronization is VariableSynchronization.ON_READ
         if on_read and in_replica:
             return value  # per-replica value: only this replica changes

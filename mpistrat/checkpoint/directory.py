@@ -23,6 +23,7 @@ from typing import List, Optional, Tuple
 
 from mpistrat.checkpoint import writer
 from mpistrat.checkpoint.files import data_file, local_view, remove_leftovers, state_name
+from mpistrat.checkpoint.same_path import agree_path
 from mpistrat.checkpoint.state_file import STATE_FILE, CheckpointState, read_state, write_state
 from mpistrat.collectives import CollectiveEngine
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
@@ -45,6 +46,7 @@ def io_engine() -> CollectiveEngine:
 
 def prepare_directory(directory: str, engine: CollectiveEngine, path: str) -> None:
     """Rank 0 creates ``directory`` and removes our leftovers; every rank must then see it."""
+    agree_path(engine, path, f"saving checkpoint {path}")
     failure = None
     if engine.rank == 0:
         try:
@@ -102,6 +104,7 @@ def record_latest(path: str) -> None:
 def agreed_state(directory: str, engine: CollectiveEngine):
     """``read_kept(directory)`` as every rank sees it; ranks that see differently raise."""
     writer.wait_idle()
+    agree_path(engine, directory, f"checkpoint directory {directory}")
     try:
         view = ("ok",) + read_kept(directory)
     except DataLossError as err:

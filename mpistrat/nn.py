@@ -32,7 +32,8 @@ from mpistrat.distribute.context import get_strategy, has_strategy, in_cross_rep
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.runtime.devices import array_kind
 
-__all__ = ["compute_average_loss", "scale_regularization_loss", "aggregate_gradients"]
+__all__ = ["compute_average_loss", "scale_regularization_loss", "aggregate_gradients",
+           "all_reduce_gradients"]
 
 
 def _xp(value: Any):
@@ -177,6 +178,38 @@ class _Aggregation:
         return jax.tree_util.tree_unflatten(treedef, list(reduced))
 
 
+def _checked(strategy, reduce_op, what: str):
+    """The strategy and op to aggregate with, or ``ValueError`` saying what to pass."""
+    from mpistrat.runtime import get_world
+    strategy = strategy if strategy is not None else get_strategy()
+    if not has_strategy() and strategy is get_strategy() and get_world().size > 1:
+        raise ValueError(f"{what}: no strategy given and none is current, but this "
+                         f"job runs {get_world().size} ranks; pass the strategy "
+                         f"({what}(strategy)) or call it inside strategy.scope()")
+    if getattr(strategy.extended, "variable_class", None) is not None:
+        raise ValueError(f"{what}: {type(strategy).__name__} runs its replicas "
+                         f"inside compiled steps; aggregate with "
+                         f"ms.get_replica_context().all_reduce inside strategy.run")
+    op = ReduceOp.from_any(reduce_op)
+    if op not in (ReduceOp.SUM, ReduceOp.MEAN):
+        raise ValueError(f"{what}: reduce_op must be SUM or MEAN, got {op.name}")
+    return strategy, op
+
+
+def all_reduce_gradients(grads: Any, strategy=None, reduce_op="MEAN", options=None):
+    """``grads`` (any JAX pytree) combined over all replicas; usable inside ``jax.jit``.
+
+    For loops that call an optimizer themselves (Keras 3's
+    ``optimizer.stateless_apply``, Flax NNX's ``optimizer.update``)::
+
+        grads = ms.nn.all_reduce_gradients(grads, strategy, "SUM")   # inside the jitted step
+
+    ``reduce_op``, ``options`` and ``strategy`` as for ``aggregate_gradients``.
+    """
+    strategy, op = _checked(strategy, reduce_op, "all_reduce_gradients")
+    return _Aggregation(strategy, op, options)(grads)
+
+
 def aggregate_gradients(strategy=None, reduce_op="MEAN", options=None):
     """An optax ``GradientTransformation`` that all-reduces the updates it is given.
 
@@ -205,19 +238,7 @@ def aggregate_gradients(strategy=None, reduce_op="MEAN", options=None):
     ``strategy.run`` instead (the replicas there are the devices).
     """
     import optax
-    from mpistrat.runtime import get_world
-    strategy = strategy if strategy is not None else get_strategy()
-    if not has_strategy() and strategy is get_strategy() and get_world().size > 1:
-        raise ValueError(f"aggregate_gradients: no strategy given and none is current, but this "
-                         f"job runs {get_world().size} ranks; pass the strategy "
-                         f"(aggregate_gradients(strategy)) or call it inside strategy.scope()")
-    if getattr(strategy.extended, "variable_class", None) is not None:
-        raise ValueError(f"aggregate_gradients: {type(strategy).__name__} runs its replicas "
-                         f"inside compiled steps; aggregate with "
-                         f"ms.get_replica_context().all_reduce inside strategy.run")
-    op = ReduceOp.from_any(reduce_op)
-    if op not in (ReduceOp.SUM, ReduceOp.MEAN):
-        raise ValueError(f"aggregate_gradients: reduce_op must be SUM or MEAN, got {op.name}")
+    strategy, op = _checked(strategy, reduce_op, "aggregate_gradients")
     aggregate = _Aggregation(strategy, op, options)
 
     def init(params):

@@ -100,3 +100,31 @@ def test_compute_average_loss_in_run_defaults_to_rows_times_replicas(world, stra
 def test_aggregate_gradients_without_a_strategy_is_refused(world):
     with pytest.raises(ValueError, match=f"runs {world.size} ranks; pass the strategy"):
         ms.nn.aggregate_gradients()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_flax_nnx_state_gradients_are_summed_inside_nnx_jit(world, strategy):
+    nnx = pytest.importorskip("flax.nnx")
+    x, y = _data(steps=3)
+
+    def train(rows, aggregate):
+        model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer, xb, yb):
+            def loss_fn(model):
+                per_example = (model(xb)[:, 0] - yb) ** 2
+                return ms.nn.compute_average_loss(per_example, global_batch_size=GLOBAL)
+            grads = nnx.grad(loss_fn)(model)
+            if aggregate:
+                grads = ms.nn.all_reduce_gradients(grads, strategy, "SUM")
+            optimizer.update(model, grads)
+
+        for xb, yb in zip(x, y):
+            step(model, optimizer, jnp.asarray(xb[rows]), jnp.asarray(yb[rows]))
+        return np.asarray(model.kernel[...])
+
+    mine = train(_rows(world), aggregate=True)
+    assert len(set(world.comm.allgather(mine.tobytes()))) == 1
+    np.testing.assert_allclose(mine, train(slice(None), aggregate=False), rtol=2e-5, atol=2e-6)

@@ -6,8 +6,9 @@ mirrored and updated through their aggregation; ``ON_READ`` ones keep a
 value per replica and are combined when read in cross-replica context.
 A variable lives where its replica computes: made from a CuPy value, or in
 the scope of a strategy whose replica is a GPU (with CuPy installed), it
-holds a CuPy array on that GPU; ``numpy()`` and checkpoints copy it to the
-host, and a restore puts the value back on the device::
+holds a CuPy array on that GPU; made from a JAX array it holds JAX arrays
+(on that array's device); ``numpy()`` and checkpoints copy it to the host,
+and a restore puts the value back on the device::
 
     >>> import mpistrat as ms
     >>> v = ms.Variable(1.0)                  # outside any scope: an ordinary variable
@@ -199,7 +200,9 @@ class Variable(NDArrayOperatorsMixin):
         value = value.read_value() if isinstance(value, Variable) else value
         value = xp.asarray(_host(value) if xp is np else value)  # CuPy takes host values too
         try:
-            return xp.broadcast_to(value, self.shape).astype(self.dtype, copy=False)
+            value = xp.broadcast_to(value, self.shape)
+            return value.astype(self.dtype) if array_kind(value) == "jax" else \
+                value.astype(self.dtype, copy=False)
         except ValueError:
             raise ValueError(f"{what} on variable {self.name!r}: value of shape {value.shape} "
                              f"does not fit shape {self.shape}") from None
@@ -280,6 +283,9 @@ def _placement(strategy, value):
     extended = getattr(strategy, "extended", None)
     if getattr(extended, "variable_class", None) is not None:
         return np  # TPUStrategy keeps its own per-device JAX arrays
+    if array_kind(value) == "jax":  # a JAX array stays one (on its device)
+        import jax.numpy as jnp
+        return jnp
     devices = getattr(extended, "worker_devices", ()) or ()
     if devices and "GPU:" in devices[0] and array_kind(value) == "numpy" and cupy_available():
         import cupy

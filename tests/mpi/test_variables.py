@@ -1,6 +1,6 @@
 """Variables under a strategy: initial values, aggregations, synchronizations. Initial values
-and updates are of the run's array kind (``arrays``, MPISTRAT_TEST_ARRAYS); ``numpy()`` reads
-back NumPy, as in TensorFlow."""
+and updates are of the run's array kind (``arrays``, MPISTRAT_TEST_ARRAYS) and the variable keeps
+that kind; ``numpy()`` reads back NumPy, as in TensorFlow."""
 
 import numpy as np
 import pytest
@@ -9,8 +9,6 @@ import mpistrat as ms
 
 A = ms.VariableAggregation
 S = ms.VariableSynchronization
-KIND_KEPT = ("a variable holds NumPy whatever its initial value's kind "
-             "(distribute/variables.py: frameworks stream; not a collective round-trip)")
 
 
 @pytest.mark.mpi(min_size=1)
@@ -25,8 +23,7 @@ def test_doc_scope_mirrored_variable_starts_from_rank_zero(strategy, world, arra
     assert from_rank.numpy().tolist() == [0.0, 0.0]  # rank 0's value everywhere
     regular_variable = ms.Variable(1.0)
     assert repr(regular_variable) == "<ms.Variable 'Variable:0' shape=() dtype=float64, numpy=1.0>"
-    with arrays.gap(KIND_KEPT):
-        arrays.assert_kind(from_rank.read_value())
+    arrays.assert_kind(from_rank.read_value())   # a variable keeps its initial value's kind
 
 
 @pytest.mark.mpi(min_size=1)
@@ -41,8 +38,7 @@ def test_assign_add_in_replica_context_follows_the_aggregation(strategy, world, 
     n, s = world.size, sum(range(world.size))
     want = 10.0 + world.rank if expected is None else expected(n, s)
     assert float(v.numpy()[0]) == pytest.approx(want)
-    with arrays.gap(KIND_KEPT):
-        arrays.assert_kind(v.read_value())
+    arrays.assert_kind(v.read_value())
 
 
 @pytest.mark.mpi(min_size=1)

@@ -29,7 +29,7 @@ from mpistrat.checkpoint.files import data_file, local_view, missing_hint
 from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots
 from mpistrat.checkpoint.h5read import Reader, read_catalog, read_entry, read_values
 from mpistrat.checkpoint.h5write import write_file
-from mpistrat.checkpoint.same_path import agree_path
+from mpistrat.checkpoint.same_path import agree_view_at
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.distribute.context import outside_strategies
 from mpistrat.distribute.variables import Variable
@@ -232,9 +232,9 @@ class Checkpoint:
         writer.wait_idle()
         engine = io_engine()
         path = os.fspath(save_path)
-        agree_path(engine, path, f"restoring checkpoint {path}")
         tensorflow = is_bundle(path) and not os.path.exists(data_file(path))
-        if agree_view(engine, tensorflow, f"{path}.index"):  # TensorFlow's format
+        if agree_view_at(engine, path, tensorflow, f"{path}.index",  # TensorFlow's format?
+                         f"restoring checkpoint {path}"):
             from mpistrat.checkpoint.tf_checkpoints import restore_tensorflow
             matched, pending, missing = restore_tensorflow(self, path, engine, _check_compatible)
             object.__setattr__(self, "_pending", pending)

@@ -23,10 +23,10 @@ from typing import List, Optional, Tuple
 
 from mpistrat.checkpoint import writer
 from mpistrat.checkpoint.files import data_file, local_view, remove_leftovers, state_name
-from mpistrat.checkpoint.same_path import agree_path
+from mpistrat.checkpoint.same_path import agree_view_at
 from mpistrat.checkpoint.state_file import STATE_FILE, CheckpointState, read_state, write_state
 from mpistrat.collectives import CollectiveEngine
-from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+from mpistrat.collectives.agreement import Failure, agree_errors
 from mpistrat.errors import DataLossError
 from mpistrat.runtime import get_world
 from mpistrat.tfformats.bundle import is_bundle
@@ -46,7 +46,6 @@ def io_engine() -> CollectiveEngine:
 
 def prepare_directory(directory: str, engine: CollectiveEngine, path: str) -> None:
     """Rank 0 creates ``directory`` and removes our leftovers; every rank must then see it."""
-    agree_path(engine, path, f"saving checkpoint {path}")
     failure = None
     if engine.rank == 0:
         try:
@@ -56,7 +55,8 @@ def prepare_directory(directory: str, engine: CollectiveEngine, path: str) -> No
         else:
             remove_leftovers(directory)  # best effort: warns about what it cannot delete
     agree_errors(engine, failure, f"saving checkpoint {path}")
-    agree_view(engine, local_view(directory), f"checkpoint directory {directory}")
+    agree_view_at(engine, path, local_view(directory), f"checkpoint directory {directory}",
+                  f"saving checkpoint {path}")
 
 
 def read_kept(directory: str) -> Tuple[Optional[str], List[Tuple[str, float]], float]:
@@ -104,12 +104,12 @@ def record_latest(path: str) -> None:
 def agreed_state(directory: str, engine: CollectiveEngine):
     """``read_kept(directory)`` as every rank sees it; ranks that see differently raise."""
     writer.wait_idle()
-    agree_path(engine, directory, f"checkpoint directory {directory}")
     try:
         view = ("ok",) + read_kept(directory)
     except DataLossError as err:
         view = ("error", str(err))
-    agree_view(engine, view, f"checkpoint directory {directory}")
+    agree_view_at(engine, directory, view, f"checkpoint directory {directory}",
+                  f"checkpoint directory {directory}")
     if view[0] == "error":
         raise DataLossError(view[1])
     return view[1:]

@@ -35,6 +35,7 @@ from mpistrat import experimental, tpu  # noqa: E402
 from mpistrat.checkpoint import (Checkpoint, CheckpointManager, CheckpointOptions,  # noqa: E402
                                  latest_checkpoint)
 from mpistrat import train  # noqa: E402
+from mpistrat import nn  # noqa: E402
 from mpistrat import preemption  # noqa: E402  (adds ms.distribute.experimental's handler)
 from mpistrat import distribute  # noqa: E402
 from mpistrat import data  # noqa: E402
@@ -50,5 +51,5 @@ __all__ = [
     "ValueContext", "Variable", "VariableAggregation", "VariableSynchronization",
     "get_replica_context", "get_strategy", "has_strategy", "in_cross_replica_context",
     "Checkpoint", "CheckpointManager", "CheckpointOptions", "latest_checkpoint", "train", "data",
-    "distribute", "preemption", "io",
+    "distribute", "preemption", "io", "nn",
 ]

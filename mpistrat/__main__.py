@@ -15,7 +15,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 _THREAD_LEVELS = {0: "MPI_THREAD_SINGLE", 1: "MPI_THREAD_FUNNELED", 2: "MPI_THREAD_SERIALIZED",
                   3: "MPI_THREAD_MULTIPLE"}
@@ -60,9 +60,41 @@ def _jax_devices() -> Dict:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     try:
         import jax
-        return {"jax": jax.__version__, "jax_devices": [str(d) for d in jax.local_devices()]}
+        devices = jax.local_devices()
+        return {"jax": jax.__version__, "jax_devices": [str(d) for d in devices],
+                "jax_platform": devices[0].platform if devices else None}
     except Exception as err:  # a backend that fails to start is a fact too
-        return {"jax": _version("jax"), "jax_devices": [f"error: {_clean(str(err))[:80]}"]}
+        return {"jax": _version("jax"), "jax_devices": [f"error: {_clean(str(err))[:80]}"],
+                "jax_platform": None}
+
+
+def jax_paths_told_truly(paths: List[dict], platform: Optional[str], cupy: bool) -> List[dict]:
+    """The collective paths with the JAX rows saying what happens to this rank's JAX arrays.
+
+    The staged backend's reason speaks of device memory and pinned buffers,
+    which is what it does with GPU arrays and CuPy; host (CPU) JAX arrays are
+    read in place and reduced by the host algorithms (pure)::
+
+        >>> row = {"kind": "jax", "bytes": 4096, "backend": "staged-host-mpi",
+        ...        "algorithm": "ring", "why": "device memory ...; small"}
+        >>> jax_paths_told_truly([row], "cpu", False)[0]["why"].split(";")[0]
+        'host (CPU) JAX arrays: read in place as NumPy, reduced by the host algorithms, the result put back as a JAX array (no device copy, no staging)'
+    """
+    told = []
+    for path in paths:
+        path = dict(path)
+        if path.get("kind") == "jax" and path.get("backend") == "staged-host-mpi":
+            _, _, reason = path["why"].partition("; ")
+            if platform == "cpu":
+                path["why"] = ("host (CPU) JAX arrays: read in place as NumPy, reduced by the "
+                               "host algorithms, the result put back as a JAX array (no device "
+                               "copy, no staging); " + reason)
+            elif platform is not None and not cupy:
+                path["why"] = (f"JAX {platform.upper()} arrays copied whole to host memory by "
+                               f"JAX (no CuPy here to stage through pinned buffers), reduced by "
+                               f"the host algorithms, copied back; " + reason)
+        told.append(path)
+    return told
 
 
 def info() -> dict:
@@ -98,7 +130,8 @@ def info() -> dict:
             backends[kind] = f"none ({err})"
     # JAX is started once per node (several processes must not claim one accelerator)
     jax_facts = _jax_devices() if world.local_rank == 0 else {"jax": _version("jax"),
-                                                              "jax_devices": None}
+                                                              "jax_devices": None,
+                                                              "jax_platform": None}
     major, minor = MPI.Get_version()
     return {
         "rank": world.rank, "size": world.size, "host": world.hostname,
@@ -116,7 +149,9 @@ def info() -> dict:
         "cupy": gpus["cupy"], "gpus": gpus["gpus"], **jax_facts,
         "slurm": {k: os.environ[k] for k in _SLURM if k in os.environ} or None,
         # which backend and algorithm each array kind and size would take, and why
-        "collective_paths": describe_backends(world.size, comm_topology(world.comm), caps),
+        "collective_paths": jax_paths_told_truly(
+            describe_backends(world.size, comm_topology(world.comm), caps),
+            jax_facts.get("jax_platform"), caps.cupy),
     }
 
 

@@ -11,31 +11,10 @@ import os
 import re
 from typing import Dict, List, Optional
 
+from mpistrat.cluster_spec import ClusterSpec
+
 __all__ = ["ClusterSpec", "ClusterResolver", "MPIClusterResolver", "SlurmClusterResolver",
            "TPUClusterResolver", "expand_hostlist", "expand_tasks_per_node"]
-
-
-class ClusterSpec:
-    """Job name to task addresses, as ``tf.train.ClusterSpec``."""
-
-    def __init__(self, jobs: Dict[str, List[str]]):
-        self._jobs = {name: list(tasks) for name, tasks in jobs.items()}
-
-    def as_dict(self) -> Dict[str, List[str]]:
-        return {name: list(tasks) for name, tasks in self._jobs.items()}
-
-    @property
-    def jobs(self) -> List[str]:
-        return list(self._jobs)
-
-    def num_tasks(self, job_name: str) -> int:
-        return len(self._jobs[job_name])
-
-    def job_tasks(self, job_name: str) -> List[str]:
-        return list(self._jobs[job_name])
-
-    def __repr__(self) -> str:
-        return f"ClusterSpec({self._jobs!r})"
 
 
 class ClusterResolver:

@@ -17,7 +17,7 @@ summary() {  # the counts in pytest's closing line of log $1
 }
 
 # The main job and preemption tests launch whole training jobs: a stage of their own.
-JOB_TESTS="tests/launcher/test_train_job.py tests/launcher/test_train_deterministic.py tests/launcher/test_preemption.py tests/launcher/test_slurm_templates.py"
+JOB_TESTS="tests/launcher/test_train_job.py tests/launcher/test_train_deterministic.py tests/launcher/test_preemption.py tests/launcher/test_slurm_templates.py tests/launcher/test_examples.py"
 
 echo "=== single-process tests (unit, launcher; then GPU tests, which skip without a GPU)"
 timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no -p no:cacheprovider --durations=12 --timeout=300 --timeout-method=thread \
@@ -29,7 +29,7 @@ timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no -p no:cacheprovider -
 timeout --kill-after=15 300 "$PY" -m pytest -q -rs --color=no -p no:cacheprovider --timeout=120 \
     tests/gpu 2>&1 | tee "$logs/gpu.log" || failed_runs="$failed_runs gpu"
 
-echo "=== main job (jobs/train.py at 1-4 ranks, SIGKILL and resume), preemption, Slurm templates"
+echo "=== main job (jobs/train.py at 1-4 ranks, SIGKILL and resume), preemption, Slurm templates, jobs/examples at 1 and 2 ranks"
 timeout --kill-after=15 900 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=300 --timeout-method=thread \
     $JOB_TESTS 2>&1 | tee "$logs/jobs.log" || failed_runs="$failed_runs jobs"
 

@@ -29,7 +29,9 @@ from mpistrat.checkpoint.files import data_file, local_view, missing_hint
 from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots
 from mpistrat.checkpoint.h5read import Reader, read_catalog, read_entry, read_values
 from mpistrat.checkpoint.h5write import write_file
+from mpistrat.checkpoint.same_path import agree_view_at
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+from mpistrat.distribute.context import outside_strategies
 from mpistrat.distribute.variables import Variable
 from mpistrat.errors import NotFoundError
 from mpistrat.runtime import timeline
@@ -109,8 +111,8 @@ class Checkpoint:
         object.__setattr__(self, "_pending", {})   # path -> h5read.Entry, for objects attached later
         object.__setattr__(self, "_status", None)
         object.__setattr__(self, "_async", None)   # this object's save in flight (writer.Job)
-        counter = Variable(np.int64(0), name="save_counter")
-        counter._strategy = None  # a local counter: every rank counts the same saves
+        with outside_strategies():  # a local counter: every rank counts the same saves
+            counter = Variable(np.int64(0), name="save_counter")
         object.__setattr__(self, "save_counter", counter)
         for name, value in kwargs.items():
             setattr(self, name, value)
@@ -231,7 +233,8 @@ class Checkpoint:
         engine = io_engine()
         path = os.fspath(save_path)
         tensorflow = is_bundle(path) and not os.path.exists(data_file(path))
-        if agree_view(engine, tensorflow, f"{path}.index"):  # TensorFlow's format
+        if agree_view_at(engine, path, tensorflow, f"{path}.index",  # TensorFlow's format?
+                         f"restoring checkpoint {path}"):
             from mpistrat.checkpoint.tf_checkpoints import restore_tensorflow
             matched, pending, missing = restore_tensorflow(self, path, engine, _check_compatible)
             object.__setattr__(self, "_pending", pending)

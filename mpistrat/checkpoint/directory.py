@@ -23,9 +23,10 @@ from typing import List, Optional, Tuple
 
 from mpistrat.checkpoint import writer
 from mpistrat.checkpoint.files import data_file, local_view, remove_leftovers, state_name
+from mpistrat.checkpoint.same_path import agree_view_at
 from mpistrat.checkpoint.state_file import STATE_FILE, CheckpointState, read_state, write_state
 from mpistrat.collectives import CollectiveEngine
-from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+from mpistrat.collectives.agreement import Failure, agree_errors
 from mpistrat.errors import DataLossError
 from mpistrat.runtime import get_world
 from mpistrat.tfformats.bundle import is_bundle
@@ -54,7 +55,8 @@ def prepare_directory(directory: str, engine: CollectiveEngine, path: str) -> No
         else:
             remove_leftovers(directory)  # best effort: warns about what it cannot delete
     agree_errors(engine, failure, f"saving checkpoint {path}")
-    agree_view(engine, local_view(directory), f"checkpoint directory {directory}")
+    agree_view_at(engine, path, local_view(directory), f"checkpoint directory {directory}",
+                  f"saving checkpoint {path}")
 
 
 def read_kept(directory: str) -> Tuple[Optional[str], List[Tuple[str, float]], float]:
@@ -106,7 +108,8 @@ def agreed_state(directory: str, engine: CollectiveEngine):
         view = ("ok",) + read_kept(directory)
     except DataLossError as err:
         view = ("error", str(err))
-    agree_view(engine, view, f"checkpoint directory {directory}")
+    agree_view_at(engine, directory, view, f"checkpoint directory {directory}",
+                  f"checkpoint directory {directory}")
     if view[0] == "error":
         raise DataLossError(view[1])
     return view[1:]

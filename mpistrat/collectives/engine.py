@@ -175,7 +175,7 @@ class CollectiveEngine:
         ``MPISTRAT_DETERMINISTIC=1``) SUM and MEAN are bitwise reproducible
         (``collectives/reproducible.py``).
         """
-        start = timeline.begin() if timeline.ON else None
+        start = timeline.begin(value) if timeline.ON else None
         op = ReduceOp.from_any(op)
         kind = type(value)
         if kind is float and options is None and op in _EXACT and self._folds():
@@ -283,7 +283,7 @@ class CollectiveEngine:
         """Reproducible SUM (or MEAN) over ranks of ``arrays``, element-wise or of all rows
         along ``axis``: ``(results, global summand counts)`` (see ``reproducible``); results
         keep each array's dtype and kind."""
-        start = timeline.begin() if timeline.ON else None
+        start = timeline.begin(arrays) if timeline.ON else None
         arrays = [_as_array(a) for a in arrays]
         out = self._exact(arrays, ReduceOp.from_any(op), axis, options, arrays)
         if start is not None:
@@ -323,7 +323,7 @@ class CollectiveEngine:
         Shapes may differ along ``axis`` only; anything else raises
         ``InvalidArgumentError`` (a ``ValueError``) on every rank, naming ranks.
         """
-        start = timeline.begin() if timeline.ON else None
+        start = timeline.begin(value) if timeline.ON else None
         leaves, rebuild = flatten(value)
         arrays = [_as_array(v) for v in leaves]
         what = f"all_gather axis={axis}"
@@ -362,7 +362,7 @@ class CollectiveEngine:
     def broadcast(self, value: Any, root: int = 0,
                   options: Optional[CommunicationOptions] = None) -> Any:
         """Every rank receives ``root``'s ``value`` (same structure, shapes and dtypes)."""
-        start = timeline.begin() if timeline.ON else None
+        start = timeline.begin(value) if timeline.ON else None
         leaves, rebuild = flatten(value)
         arrays = [_as_array(v) for v in leaves]
         what = f"broadcast root={root}"

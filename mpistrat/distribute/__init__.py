@@ -1,4 +1,13 @@
-"""Layer 3: distributed values, contexts, strategies and variables."""
+"""Layer 3: distributed values, contexts, strategies and variables.
+
+The names TensorFlow keeps under ``tf.distribute`` are here too::
+
+    >>> import mpistrat as ms
+    >>> ms.distribute.ReduceOp.SUM is ms.ReduceOp.SUM, ms.distribute.TPUStrategy is ms.TPUStrategy
+    (True, True)
+"""
+
+from mpistrat.collectives import ReduceOp
 
 from mpistrat.distribute.context import (InputContext, ValueContext, get_replica_context,
                                          get_strategy, has_strategy, in_cross_replica_context)
@@ -9,6 +18,7 @@ from mpistrat.distribute.mirrored import MirroredStrategy, MultiWorkerMirroredSt
 from mpistrat.distribute.options import InputOptions, RunOptions
 from mpistrat.distribute.replica_context import ReplicaContext
 from mpistrat.distribute.strategy import Strategy, StrategyExtended
+from mpistrat.distribute.tpu import TPUStrategy
 from mpistrat.distribute.values import DistributedValues, Mirrored, PerReplica
 from mpistrat.distribute.variables import Variable, VariableAggregation, VariableSynchronization
 
@@ -19,4 +29,5 @@ __all__ = [
     "in_cross_replica_context", "MirroredStrategy", "MultiWorkerMirroredStrategy", "InputOptions",
     "RunOptions", "ReplicaContext", "Strategy", "StrategyExtended", "DistributedValues",
     "Mirrored", "PerReplica", "Variable", "VariableAggregation", "VariableSynchronization",
+    "ReduceOp", "TPUStrategy",
 ]

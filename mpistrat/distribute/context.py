@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional
 
 __all__ = ["get_strategy", "has_strategy", "get_replica_context", "in_cross_replica_context",
-           "InputContext", "ValueContext", "entered"]
+           "InputContext", "ValueContext", "entered", "outside_strategies"]
 
 
 @dataclass
@@ -54,6 +54,27 @@ def entered(strategy: Any, replica_context: Any = None) -> Iterator[None]:
         yield
     finally:
         stack.pop()
+
+
+@contextlib.contextmanager
+def outside_strategies() -> Iterator[None]:
+    """Hide every entered scope for a ``with`` block: state made inside is local.
+
+    For the library's own bookkeeping (a checkpoint's ``save_counter``), which
+    must be an ordinary variable even when made inside a strategy's scope::
+
+        >>> import mpistrat as ms
+        >>> with ms.MultiWorkerMirroredStrategy().scope(), outside_strategies():
+        ...     ms.Variable(0).distributed                      # doctest: +SKIP
+        False
+    """
+    stack = _stack()
+    saved = stack[:]
+    del stack[:]
+    try:
+        yield
+    finally:
+        stack[:] = saved
 
 
 def current_strategy_entry() -> Optional[_Entry]:

@@ -6,13 +6,22 @@ mirrored and updated through their aggregation; ``ON_READ`` ones keep a
 value per replica and are combined when read in cross-replica context.
 A variable lives where its replica computes: made from a CuPy value, or in
 the scope of a strategy whose replica is a GPU (with CuPy installed), it
-holds a CuPy array on that GPU; ``numpy()`` and checkpoints copy it to the
-host, and a restore puts the value back on the device::
+holds a CuPy array on that GPU; made from a JAX array it holds JAX arrays
+(on that array's device); ``numpy()`` and checkpoints copy it to the host,
+and a restore puts the value back on the device::
 
     >>> import mpistrat as ms
     >>> v = ms.Variable(1.0)                  # outside any scope: an ordinary variable
     >>> v.assign_add(2.0).numpy()
     array(3.)
+
+A distributed variable used outside every scope behaves as TensorFlow's: the
+code runs as if in its strategy's scope, in cross-replica context. A write
+there applies the same value on every replica (``assign_add(1)`` on a
+``SUM``-aggregated mirrored variable adds 1, at any width), and a read of an
+``ON_READ`` variable returns the combined value (a collective: every rank
+must read it). Only inside ``strategy.run`` do writes go through the
+aggregation and ``ON_READ`` reads see the replica's own value.
 """
 
 import enum
@@ -22,7 +31,7 @@ import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from mpistrat.collectives import ReduceOp
-from mpistrat.distribute.context import current_strategy_entry, get_replica_context
+from mpistrat.distribute.context import current_strategy_entry
 from mpistrat.runtime.devices import array_kind, cupy_available
 
 __all__ = ["Variable", "VariableAggregation", "VariableSynchronization"]
@@ -104,10 +113,22 @@ class Variable(NDArrayOperatorsMixin):
     def dtype(self):
         return self._value.dtype
 
+    def _in_replica_context(self) -> bool:
+        """Whether a read or write of this variable happens in replica context.
+
+        Outside every scope a distributed variable is used as if in its own
+        strategy's scope: cross-replica context, as TensorFlow enters the
+        variable's strategy there. Inside a scope (or ``run``), the current
+        context decides.
+        """
+        entry = current_strategy_entry()
+        return entry is not None and entry.replica_context is not None
+
     # -- reading -----------------------------------------------------------------
     def read_value(self) -> np.ndarray:
-        """The value: this replica's, or for ``ON_READ`` in cross-replica context the combined one."""
-        if (self._strategy is not None and get_replica_context() is None
+        """The value: this replica's, or for ``ON_READ`` in cross-replica context (which
+        includes outside every scope) the combined one."""
+        if (self._strategy is not None and not self._in_replica_context()
                 and self.synchronization is VariableSynchronization.ON_READ):
             return self._combined()
         return self._value
@@ -179,7 +200,9 @@ class Variable(NDArrayOperatorsMixin):
         value = value.read_value() if isinstance(value, Variable) else value
         value = xp.asarray(_host(value) if xp is np else value)  # CuPy takes host values too
         try:
-            return xp.broadcast_to(value, self.shape).astype(self.dtype, copy=False)
+            value = xp.broadcast_to(value, self.shape)
+            return value.astype(self.dtype) if array_kind(value) == "jax" else \
+                value.astype(self.dtype, copy=False)
         except ValueError:
             raise ValueError(f"{what} on variable {self.name!r}: value of shape {value.shape} "
                              f"does not fit shape {self.shape}") from None
@@ -197,7 +220,7 @@ class Variable(NDArrayOperatorsMixin):
         the current context).
         """
         if in_replica is None:
-            in_replica = get_replica_context() is not None
+            in_replica = self._in_replica_context()
         on_read = self.synchronization is VariableSynchronization.ON_READ
         if on_read and in_replica:
             return value  # per-replica value: only this replica changes
@@ -260,6 +283,9 @@ def _placement(strategy, value):
     extended = getattr(strategy, "extended", None)
     if getattr(extended, "variable_class", None) is not None:
         return np  # TPUStrategy keeps its own per-device JAX arrays
+    if array_kind(value) == "jax":  # a JAX array stays one (on its device)
+        import jax.numpy as jnp
+        return jnp
     devices = getattr(extended, "worker_devices", ()) or ()
     if devices and "GPU:" in devices[0] and array_kind(value) == "numpy" and cupy_available():
         import cupy

@@ -28,6 +28,7 @@ import atexit
 import contextlib
 import json
 import os
+import sys
 import threading
 import time
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional
@@ -36,7 +37,8 @@ from mpi4py import MPI
 
 from mpistrat.runtime import settings
 
-__all__ = ["Event", "ON", "PATH_ENV", "span", "record", "begin", "end", "note_algorithm",
+__all__ = ["Event", "ON", "PATH_ENV", "span", "record", "begin", "wait_ready", "end",
+           "note_algorithm",
            "recording", "flush", "chrome_trace", "enable", "disable", "now"]
 
 PATH_ENV = "MPISTRAT_TIMELINE"
@@ -112,10 +114,39 @@ def span(name: str, category: str, nbytes: int = 0, **args):
     return _Span(name, category, nbytes, args)
 
 
-def begin() -> float:
-    """Start a collective: clears the algorithm notes; returns the start time."""
+def begin(value: Any = None) -> float:
+    """Start a collective: clears the algorithm notes; returns the start time.
+
+    ``value``: the collective's input. JAX computes asynchronously, so its
+    arrays may still be in flight; they are waited for first
+    (``block_until_ready``), and that wait is recorded as its own slice
+    (``"wait for JAX arrays"``, category ``compute``) before the collective's,
+    so the collective is not charged with the computation that made them.
+    """
     _algorithms.clear()
+    if value is not None:
+        wait_ready(value)
     return now()
+
+
+def _jax_leaves(value: Any) -> List[Any]:
+    """The concrete JAX arrays in a nest (never imports JAX: it is there if they are)."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return []
+    return [leaf for leaf in jax.tree_util.tree_leaves(value)
+            if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer)]
+
+
+def wait_ready(value: Any) -> None:
+    """Wait for the JAX arrays in ``value``; record the wait as a ``compute`` slice."""
+    leaves = _jax_leaves(value)
+    if not leaves:
+        return
+    start = now()
+    sys.modules["jax"].block_until_ready(leaves)
+    record("wait for JAX arrays", "compute", start, now(),
+           sum(int(getattr(a, "nbytes", 0)) for a in leaves), {"arrays": len(leaves)})
 
 
 def note_algorithm(name: str, nbytes: int, start: float) -> None:

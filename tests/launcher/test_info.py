@@ -61,3 +61,29 @@ def test_render_names_disagreements_and_the_allocation():
     assert "CUDA-aware MPI  no: asked  (differs across ranks" in text
     assert "Slurm           job_id=7, nnodes=2" in text
     assert "JAX             not installed" in text
+
+
+def test_info_tells_host_jax_arrays_truly(launch):
+    """issue 16: CPU JAX arrays were described as "device memory copied through pinned host
+    buffers"; on a CPU host they are read in place and reduced by the host algorithms."""
+    result = launch(1, INFO, "--json", limit=60)
+    assert result.returncode == 0, result
+    row = json.loads(result.output[result.output.index("{"):])["ranks"][0]
+    assert row["jax_platform"] == "cpu"
+    jax_paths = [p for p in row["collective_paths"] if p["kind"] == "jax"]
+    assert jax_paths and all(p["why"].startswith("host (CPU) JAX arrays: read in place")
+                             and "pinned" not in p["why"] for p in jax_paths), jax_paths
+
+
+def test_jax_paths_on_gpus_without_cupy_say_what_copies():
+    import doctest
+    import mpistrat.__main__ as main
+    assert doctest.testmod(main).failed == 0
+    row = {"kind": "jax", "bytes": 1 << 20, "backend": "staged-host-mpi", "algorithm": "ring",
+           "why": "device memory copied through pinned host buffers; large"}
+    told = main.jax_paths_told_truly([row], "gpu", cupy=False)[0]["why"]
+    assert told.startswith("JAX GPU arrays copied whole to host memory by JAX") and \
+        told.endswith("; large")
+    assert main.jax_paths_told_truly([row], "gpu", cupy=True)[0]["why"] == row["why"]
+    other = dict(row, kind="cupy")
+    assert main.jax_paths_told_truly([other], "cpu", False) == [other]

@@ -114,3 +114,36 @@ def test_checkpoint_saves_restores_and_dataset_steps_are_on_the_timeline(world, 
         assert checkpoint["checkpoint restore"]["args"]["bytes"] >= 8000
         data = [e for e in mine if e["cat"] == "data"]
         assert [e["args"]["step"] for e in data] == list(range(steps + 1))  # + the last check
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_collective_is_not_charged_with_jax_compute_in_flight(world, strategy):
+    """JAX dispatches asynchronously: the collective waits for its input first, and that wait
+    is a slice of its own before the collective's (issue 16: a 1-rank all-reduce showed 140 ms
+    where it takes 3 ms alone)."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    matrix = jnp.ones((700, 700), jnp.float32) / 700
+    jax.block_until_ready(matrix)
+
+    @jax.jit
+    def heavy(m):
+        for _ in range(30):
+            m = jnp.tanh(m @ m)
+        return m
+
+    jax.block_until_ready(heavy(matrix))   # compiled
+    with timeline.recording() as events:
+        result = heavy(matrix)             # still computing when the collective starts
+        out = strategy.extended.engine.all_reduce(result, "SUM")
+    waits = [e for e in events if e.name == "wait for JAX arrays"]
+    collectives = [e for e in events if e.category == "collective"]
+    assert len(waits) == 1 and len(collectives) == 1, events
+    wait, collective = waits[0], collectives[0]
+    assert wait.category == "compute" and wait.nbytes == result.nbytes
+    assert wait.end <= collective.start                 # the wait is not inside the slice
+    np.testing.assert_allclose(np.asarray(out), np.asarray(result) * world.size, rtol=1e-6)
+    # nothing to wait for: NumPy inputs record no wait slice
+    with timeline.recording() as events:
+        strategy.extended.engine.all_reduce(np.ones(4), "SUM")
+    assert [e.name for e in events if e.category == "compute"] == []

@@ -1,6 +1,6 @@
 """Variables under a strategy: initial values, aggregations, synchronizations. Initial values
-and updates are of the run's array kind (``arrays``, MPISTRAT_TEST_ARRAYS); ``numpy()`` reads
-back NumPy, as in TensorFlow."""
+and updates are of the run's array kind (``arrays``, MPISTRAT_TEST_ARRAYS) and the variable keeps
+that kind; ``numpy()`` reads back NumPy, as in TensorFlow."""
 
 import numpy as np
 import pytest
@@ -9,8 +9,6 @@ import mpistrat as ms
 
 A = ms.VariableAggregation
 S = ms.VariableSynchronization
-KIND_KEPT = ("a variable holds NumPy whatever its initial value's kind "
-             "(distribute/variables.py: frameworks stream; not a collective round-trip)")
 
 
 @pytest.mark.mpi(min_size=1)
@@ -25,8 +23,7 @@ def test_doc_scope_mirrored_variable_starts_from_rank_zero(strategy, world, arra
     assert from_rank.numpy().tolist() == [0.0, 0.0]  # rank 0's value everywhere
     regular_variable = ms.Variable(1.0)
     assert repr(regular_variable) == "<ms.Variable 'Variable:0' shape=() dtype=float64, numpy=1.0>"
-    with arrays.gap(KIND_KEPT):
-        arrays.assert_kind(from_rank.read_value())
+    arrays.assert_kind(from_rank.read_value())   # a variable keeps its initial value's kind
 
 
 @pytest.mark.mpi(min_size=1)
@@ -41,8 +38,7 @@ def test_assign_add_in_replica_context_follows_the_aggregation(strategy, world, 
     n, s = world.size, sum(range(world.size))
     want = 10.0 + world.rank if expected is None else expected(n, s)
     assert float(v.numpy()[0]) == pytest.approx(want)
-    with arrays.gap(KIND_KEPT):
-        arrays.assert_kind(v.read_value())
+    arrays.assert_kind(v.read_value())
 
 
 @pytest.mark.mpi(min_size=1)
@@ -100,3 +96,64 @@ def test_on_read_cross_replica_assign_and_none_aggregation(strategy, world):
         with pytest.raises(ValueError, match="no cross-replica value"):
             unreduced.numpy()
     assert strategy.run(lambda: float(counter)) == pytest.approx(6.0 / world.size)
+
+
+# -- outside every scope: TensorFlow's cross-replica semantics (issue 16) ----------------------
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("aggregation", [A.SUM, A.MEAN, A.ONLY_FIRST_REPLICA, A.NONE])
+def test_writes_outside_every_scope_are_cross_replica(strategy, world, aggregation):
+    with strategy.scope():
+        v = ms.Variable(10.0, aggregation=aggregation)
+    assert not ms.has_strategy()
+    v.assign_add(1.0)            # TensorFlow: 11 at any width, whatever the aggregation
+    assert float(v.numpy()) == 11.0
+    v.assign_sub(2.0)
+    v.assign(v.numpy() * 2)
+    assert float(v.numpy()) == 18.0
+    assert world.comm.allgather(float(v.numpy())) == [18.0] * world.size
+
+
+@pytest.mark.mpi(min_size=1)
+def test_replica_context_writes_still_aggregate_after_outside_writes(strategy, world):
+    with strategy.scope():
+        v = ms.Variable(0.0, aggregation=A.SUM)
+    v.assign_add(1.0)                               # cross-replica: +1
+    strategy.run(lambda: v.assign_add(1.0))         # replica context: +N
+    assert float(v.numpy()) == 1.0 + world.size
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("aggregation", [A.SUM, A.MEAN, A.ONLY_FIRST_REPLICA])
+def test_on_read_reads_outside_every_scope_are_the_aggregate(strategy, world, aggregation):
+    with strategy.scope():
+        v = ms.Variable(0.0, synchronization=S.ON_READ, aggregation=aggregation)
+    strategy.run(lambda: v.assign(world.rank + 1.0))
+    n, s = world.size, sum(range(1, world.size + 1))
+    want = {A.SUM: s, A.MEAN: s / n, A.ONLY_FIRST_REPLICA: 1.0}[aggregation]
+    assert float(v.read_value()) == pytest.approx(want)   # no scope entered
+    assert float(v.numpy()) == pytest.approx(want)
+    assert float(v) == pytest.approx(want)
+    assert strategy.run(lambda: float(v.read_value())) == world.rank + 1.0
+
+
+@pytest.mark.mpi(min_size=1)
+def test_on_read_sum_cross_replica_assign_outside_reads_back(strategy, world):
+    with strategy.scope():
+        counter = ms.Variable(0.0, synchronization=S.ON_READ, aggregation=A.SUM)
+    counter.assign(6.0)
+    assert float(counter) == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="use assign"):
+        counter.assign_add(1.0)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_checkpoint_made_in_scope_keeps_a_local_save_counter(strategy, world, tmp_path):
+    shared_dir = world.comm.bcast(str(tmp_path), root=0)
+    with strategy.scope():
+        v = ms.Variable(np.arange(3.0), aggregation=A.SUM)
+        ckpt = ms.Checkpoint(v=v)
+    assert not ckpt.save_counter.distributed
+    path = ckpt.save(f"{shared_dir}/ckpt")
+    v.assign(np.zeros(3))
+    ckpt.restore(path).assert_consumed()
+    assert v.numpy().tolist() == [0.0, 1.0, 2.0] and int(ckpt.save_counter.numpy()) == 1

@@ -136,6 +136,22 @@ def _train(strategy, global_batch=16, epochs=3, lr=0.05):
     return w.numpy(), float(b.numpy()), losses
 
 
+def test_checkpoint_made_inside_the_scope_saves_and_restores(strategy, world, shared_dir):
+    # issue 16: its save_counter was a TPUVariable, and restore raised AttributeError
+    with strategy.scope():
+        kernel = ms.Variable(np.arange(4, dtype=np.float32), aggregation=AGG.MEAN)
+        ckpt = ms.Checkpoint(kernel=kernel)
+    assert not isinstance(ckpt.save_counter, TPUVariable) and not ckpt.save_counter.distributed
+    path = ckpt.save(f"{shared_dir}/inscope")
+    kernel.assign(np.zeros(4, np.float32))
+    with strategy.scope():
+        ckpt.restore(path).assert_consumed()
+    np.testing.assert_array_equal(kernel.numpy(), np.arange(4, dtype=np.float32))
+    assert isinstance(kernel, TPUVariable) and kernel.dtype == np.float32
+    assert int(ckpt.save_counter.numpy()) == 1
+    assert ckpt.save(f"{shared_dir}/inscope").endswith("inscope-2")
+
+
 def test_training_loop_matches_multi_worker_mirrored(strategy):
     w_tpu, b_tpu, loss_tpu = _train(strategy)
     w_mw, b_mw, loss_mw = _train(ms.MultiWorkerMirroredStrategy())

@@ -13,12 +13,12 @@ ROOT = Path(__file__).resolve().parents[2] / "mpistrat"
 LAYERS = {
     "mpistrat.errors": 0, "mpistrat.nest": 0, "mpistrat.partition": 0,
     "mpistrat.tfformats": 0, "mpistrat.io": 0,
-    "mpistrat.runtime": 1, "mpistrat.cluster_resolver": 1, "mpistrat.config": 1,
+    "mpistrat.runtime": 1, "mpistrat.cluster_resolver": 1, "mpistrat.cluster_spec": 0, "mpistrat.config": 1,
     "mpistrat.tpu": 1,
     "mpistrat.collectives": 2,
     "mpistrat.distribute": 3, "mpistrat.experimental": 3,
     "mpistrat.data": 4,
-    "mpistrat.checkpoint": 5, "mpistrat.train": 5,
+    "mpistrat.checkpoint": 5, "mpistrat.train": 5, "mpistrat.nn": 5,
     "mpistrat.preemption": 5.5,
     "mpistrat.__main__": 6, "mpistrat": 6,            # the package's __init__ ties all together
 }

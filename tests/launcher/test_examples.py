@@ -1,0 +1,54 @@
+"""The ported examples in jobs/examples/ (issue 16) train at 1 and 2 ranks, and for the same
+global batch the losses printed at 1 and 2 ranks agree (float tolerance: the 2-rank gradient is a
+sum of two partial sums)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import MPIRUN, ROOT
+
+EXAMPLES = {
+    # example -> (flags, pattern of the loss lines it prints, pattern of its final accuracy)
+    "custom_training.py": (["--short", "--global-batch", "32"],
+                           r"Epoch \d+, Loss: ([0-9.]+),.*Test Loss: ([0-9.]+)",
+                           r"Accuracy after restoring the saved model without strategy: ([0-9.]+)"),
+    "keras_jax_custom_loop.py": (["--short", "--global-batch", "32"],
+                                 r"Training loss \(for 1 batch\) at step \d+: ([0-9.]+)",
+                                 r"Validation acc: ([0-9.]+)"),
+}
+
+
+def _run(example, ranks, tmp_path):
+    flags, _, _ = EXAMPLES[example]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+    env.update(PYTHONUNBUFFERED="1", KERAS_BACKEND="jax", PYTHONPATH=str(ROOT))
+    env.pop("MPISTRAT_COLLECTIVE_TIMEOUT", None)
+    done = subprocess.run([str(MPIRUN), "--limit", "240", "-n", str(ranks), sys.executable,
+                           str(ROOT / "jobs" / "examples" / example), *flags],
+                          env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    assert done.returncode == 0, done.stdout[-4000:]
+    return done.stdout
+
+
+def _numbers(output, pattern):
+    return [float(x) for match in re.findall(pattern, output)
+            for x in (match if isinstance(match, tuple) else (match,))]
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_example_losses_agree_at_one_and_two_ranks(example, tmp_path):
+    _, loss_pattern, accuracy_pattern = EXAMPLES[example]
+    one = _run(example, 1, tmp_path)
+    two = _run(example, 2, tmp_path)
+    losses_1, losses_2 = _numbers(one, loss_pattern), _numbers(two, loss_pattern)
+    assert len(losses_1) >= 2 and len(losses_1) == len(losses_2), (one, two)
+    assert losses_1 == pytest.approx(losses_2, rel=1e-4, abs=1e-5), (losses_1, losses_2)
+    assert losses_1[-1] < losses_1[0], f"{example} did not learn: {losses_1}"
+    accuracy_1, accuracy_2 = _numbers(one, accuracy_pattern), _numbers(two, accuracy_pattern)
+    assert accuracy_1 and accuracy_1 == pytest.approx(accuracy_2, abs=1e-3)
+    assert "Number of devices: 2" in two or example != "custom_training.py"

@@ -97,6 +97,8 @@ class HostMPI(Backend):
     def _reduce_one(self, comm, array, op, deadline, size, preference):
         """One tensor: no plan, no packing (the common case of scalars and large tensors)."""
         original = array if type(array) is np.ndarray else np.asarray(array)
+        if size == 1:   # one rank: every op gives the value itself (no widening, no rounding)
+            return np.array(original, copy=True)
         wire = _wire(original, op)
         out = default_pool().take(wire.shape, wire.dtype) if wire.nbytes >= _POOL_MIN_BYTES \
             else np.empty_like(wire)

@@ -6,8 +6,8 @@ depend on the automatic names a process happens to give (``dense_3``):
 
 - **Keras 3** layers and models: own variables by name (``kernel``, ``moving_mean``),
   sublayers by the attribute that holds them (a subclassed model's ``self.encoder``) or
-  else by position, as TensorFlow names them (``layer-1``; a Sequential's input layer is
-  ``layer-0`` when it has one); seed generators as ``seed_generator-N/state``. Optimizers:
+  else by position among the layers that are not input layers (``layer-0``: the same
+  whether a Sequential got an ``Input`` or was built at its first call); seed generators as ``seed_generator-N/state``. Optimizers:
   ``iterations``, ``learning_rate``, then each slot list by name, one entry per trainable
   variable in build order (``momentums/0``, ``velocities/0``), and any other variable as
   ``variables/N``. Metrics: their variables by name (``total``, ``count``). A model
@@ -32,6 +32,7 @@ soon as Keras builds it (at the first call, or the optimizer's first step).
     ['kernel', 'bias']
 """
 
+import functools
 import sys
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -62,7 +63,7 @@ def _keras_class(*names):
     for name in names:
         module, _, attr = name.rpartition(".")
         obj = keras
-        for part in module.split("."):
+        for part in module.split(".") if module else ():
             obj = getattr(obj, part, None)
         if obj is not None and getattr(obj, attr, None) is not None:
             found.append(getattr(obj, attr))
@@ -141,7 +142,9 @@ def _keras_children(obj: Any) -> Optional[Tuple[Children, bool]]:
         children.append((f"seed_generator-{index}", generator, None))
     by_attribute = {id(v): k for k, v in vars(obj).items()
                     if not k.startswith("_") and isinstance(v, layer)}
-    for index, sub in enumerate(obj._layers):
+    (input_layer,) = _keras_class("layers.InputLayer") or (None,)
+    sublayers = [s for s in obj._layers if input_layer is None or not isinstance(s, input_layer)]
+    for index, sub in enumerate(sublayers):   # input layers hold no state: not counted
         children.append((by_attribute.get(id(sub), f"layer-{index}"), sub, None))
     return children, not obj.built
 
@@ -203,6 +206,7 @@ def install_build_hook(obj: Any, key: Any, callback: Callable[[], None]) -> None
         original = obj.build
         hooks = {}
 
+        @functools.wraps(original)   # Keras reads build's signature to pass shapes
         def build(*args, **kwargs):
             result = original(*args, **kwargs)
             for hook in list(hooks.values()):

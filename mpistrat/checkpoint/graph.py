@@ -23,8 +23,9 @@ parent, so ``ckpt.opt_state`` is then the restored tree, of the same treedef.
 What is skipped, silently, because it is not state: ``None``, strings and bytes, enum
 members, classes, modules and dtypes anywhere; functions and methods held as an *attribute*
 (an activation, a loss function: code). What is refused: anything else. A function, lambda
-or method given to the checkpoint or held in a container, a generator, and any object with
-no state the walk can see (no ``__dict__``, no ``__slots__``, not a known kind) make
+or method given to the checkpoint or held in a container, a generator, any object with
+no state the walk can see (no ``__dict__``, no ``__slots__``, not a known kind), and an
+object none of whose public attributes can hold state (only strings, ``None``, code) make
 ``collect_slots(..., strict=True)`` (what ``save`` uses) raise one ``ValueError`` naming the
 path of each such value: a checkpoint never silently lacks a value.
 
@@ -195,7 +196,10 @@ def _walk(obj: Any, path: str, setter, walk: _Walk, attribute: bool, depth: int)
     elif _walk_node(obj, path, setter, walk, depth):
         return
     elif _is_plain_object(obj):
-        for name, child in _attributes(obj):
+        attributes = _attributes(obj)
+        if not any(_holds_state(child) for _, child in attributes):
+            walk.refuse(path, obj, "no public attribute holds state (an arbitrary object)")
+        for name, child in attributes:
             _walk(child, f"{path}/{check_segment(name)}",
                   lambda v, n=name: setattr(obj, n, v), walk, True, depth + 1)
     else:
@@ -218,6 +222,11 @@ def _walk_node(obj: Any, path: str, setter, walk: _Walk, depth: int) -> bool:
         _walk(child, f"{path}/{check_segment(name)}", node.child_setter(index), walk,
               by_attribute, depth + 1)
     return True
+
+
+def _holds_state(child: Any) -> bool:
+    """Whether an attribute may hold state (anything but skipped values and code)."""
+    return not (_skipped(child) or isinstance(child, _CODE) or frameworks.is_static(child))
 
 
 def _attributes(obj: Any):

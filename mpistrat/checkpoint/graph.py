@@ -21,8 +21,8 @@ immutable containers (tuples, NamedTuples, pytree nodes) are rebuilt and rebound
 parent, so ``ckpt.opt_state`` is then the restored tree, of the same treedef.
 
 What is skipped, silently, because it is not state: ``None``, strings and bytes, enum
-members, classes, modules and dtypes anywhere; functions and methods held as an *attribute*
-(an activation, a loss function: code). What is refused: anything else. A function, lambda
+members, classes, modules and dtypes anywhere; functions, methods, partials and wrapped or
+jitted functions held as an *attribute* (an activation, a loss function: code). What is refused: anything else. A function, lambda
 or method given to the checkpoint or held in a container, a generator, any object with
 no state the walk can see (no ``__dict__``, no ``__slots__``, not a known kind), and an
 object none of whose public attributes can hold state (only strings, ``None``, code) make
@@ -50,6 +50,7 @@ when reading a file, so a crafted file cannot address anything else.
 
 import collections.abc
 import enum
+import functools
 import re
 import types
 from dataclasses import dataclass, field
@@ -145,6 +146,12 @@ def collect_slots(named: Dict[str, Any], assign: Optional[Callable[[str, Any], N
     return walk.slots
 
 
+def _is_code(obj: Any) -> bool:
+    """Functions, methods, partials and wrapped functions (``jax.jit``'s, ``functools.wraps``)."""
+    return isinstance(obj, _CODE) or isinstance(obj, functools.partial) or \
+        callable(obj) and hasattr(obj, "__wrapped__") and not isinstance(obj, type)
+
+
 def _skipped(obj: Any) -> bool:
     return obj is None or obj is Ellipsis or isinstance(
         obj, (str, bytes, enum.Enum, type, types.ModuleType, np.dtype))
@@ -156,7 +163,7 @@ def _walk(obj: Any, path: str, setter, walk: _Walk, attribute: bool, depth: int)
         return
     if _skipped(obj) or frameworks.is_static(obj):
         return
-    if isinstance(obj, _CODE) or isinstance(obj, types.GeneratorType):
+    if _is_code(obj) or isinstance(obj, types.GeneratorType):
         if isinstance(obj, types.GeneratorType) or not attribute:
             walk.refuse(path, obj, "code or a generator, not state")
         return
@@ -226,7 +233,7 @@ def _walk_node(obj: Any, path: str, setter, walk: _Walk, depth: int) -> bool:
 
 def _holds_state(child: Any) -> bool:
     """Whether an attribute may hold state (anything but skipped values and code)."""
-    return not (_skipped(child) or isinstance(child, _CODE) or frameworks.is_static(child))
+    return not (_skipped(child) or _is_code(child) or frameworks.is_static(child))
 
 
 def _attributes(obj: Any):

@@ -13,12 +13,32 @@ Every call is collective: all ranks save and restore together.
     True
     >>> model.kernel.numpy().tolist()
     [1.0, 1.0, 1.0]
+
+What is saved, skipped and refused is ``graph.py``'s rule: ``save`` raises ``ValueError``
+naming every value it cannot save, never writes a file that lacks one. Immutable values
+(JAX arrays, tuples, optax states, Equinox modules) are rebuilt and rebound, so read them
+back from where they are held (``ckpt.opt_state``), not from an old reference.
+
+Restore-on-create. Values in the file whose objects do not exist yet stay *pending* (in
+``status.unmatched_values``) until their objects appear anywhere in the graph. They are
+applied, checked against the object first, when
+
+1. an attribute is set on the ``Checkpoint`` (``ckpt.opt_state = tx.init(params)``);
+2. Keras builds a layer or optimizer that the graph held unbuilt at the restore (a layer at
+   its first call, an optimizer's slots at its first step or ``build``): a hook on its
+   ``build`` applies them right after it returns, before any training step uses them;
+3. ``status.apply_pending()``, ``assert_consumed()`` or ``assert_existing_objects_matched()``
+   is called (objects attached deep inside another, such as a pytree set on a plain
+   object after the restore: call ``apply_pending()`` before training on it).
+
+A save never applies them (that would overwrite what training did since). They last until
+the next restore of this checkpoint.
 """
 
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -29,6 +49,7 @@ from mpistrat.checkpoint.directory import (io_engine, latest_checkpoint, prepare
 from mpistrat.checkpoint.frameworks import install_build_hook
 from mpistrat.checkpoint.files import data_file, local_view, missing_hint
 from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots
+from mpistrat.checkpoint.matching import check_compatible as _check_compatible, read_batches
 from mpistrat.checkpoint.h5read import Reader, read_catalog, read_entry, read_values
 from mpistrat.checkpoint.h5write import write_file
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
@@ -273,7 +294,7 @@ class Checkpoint:
         with timeline.span("checkpoint restore", "checkpoint", file=os.path.basename(final),
                            nbytes=sum(e.nbytes for e in wanted.values())), \
                 Reader(wanted, engine) as reader:
-            for batch in _read_batches(wanted):  # read, verify, apply: old values freed as we go
+            for batch in read_batches(wanted):  # read, verify, apply: old values freed as we go
                 matched |= self._apply(slots, read_values(final, reader, batch), final)
         # values without an object yet are read when one is attached (never before)
         pending = {p: e for p, e in catalog.items() if p not in matched}
@@ -348,45 +369,6 @@ class Checkpoint:
         if self._status is not None:
             self._status.matched |= matched
             self._status.unmatched_values -= matched
-
-
-_BATCH_BYTES = 64 << 20
-
-
-def _read_batches(catalog) -> List[List[str]]:
-    """Paths in batches of about 64 MiB (a large value alone), all ``state`` values last and
-    together (their owner restores them at once), so a restore holds at most the state plus
-    one batch in memory."""
-    batches: List[List[str]] = [[]]
-    size = 0
-    for path in sorted(p for p, e in catalog.items() if e.kind != "state"):
-        if batches[-1] and size + catalog[path].nbytes > _BATCH_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append(path)
-        size += catalog[path].nbytes
-    batches.append(sorted(p for p, e in catalog.items() if e.kind == "state"))
-    return [b for b in batches if b]
-
-
-_NUMBER_DTYPES = {"int": "iu", "float": "fiu", "bool": "b"}
-
-
-def _check_compatible(slot: Slot, value, path: str, source: str) -> None:
-    """``value`` (an array, or a catalog entry before reading) fits the object at ``path``."""
-    owner = slot.owner
-    if slot.kind in ("variable", "array") and (owner is not None or slot.shape is not None):
-        shape, dtype = (tuple(slot.shape), np.dtype(slot.dtype)) if slot.shape is not None \
-            else (tuple(owner.shape), np.dtype(owner.dtype))
-        if tuple(value.shape) != shape or value.dtype != dtype:
-            raise ValueError(f"cannot restore {path!r} from {source}: the checkpoint holds "
-                             f"{value.dtype}{list(value.shape)}, the object is {dtype}{list(shape)}")
-    elif slot.kind in _NUMBER_DTYPES or slot.kind == "array":  # a Python or NumPy number
-        kinds = _NUMBER_DTYPES.get(slot.kind, "biufc")
-        if tuple(value.shape) != () or value.dtype.kind not in kinds:
-            raise ValueError(f"cannot restore {path!r} from {source}: the checkpoint holds "
-                             f"{value.dtype}{list(value.shape)}, the object is a {slot.kind} "
-                             f"number")
 
 
 class _SaveJob:

@@ -221,7 +221,7 @@ class Checkpoint:
             writer.wait_idle()
             engine = io_engine()
             prepare_directory(os.path.dirname(path) or ".", engine, path)
-            slots = collect_slots(self._named(), strict=True)   # ValueError naming what it cannot save
+            slots = _agreed_slots(self._named(), engine, path)
             asynchronous = options is not None and options.asynchronous
             if asynchronous and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
                 raise RuntimeError("async checkpoints need MPI_THREAD_MULTIPLE; this MPI "
@@ -338,7 +338,6 @@ class Checkpoint:
             checkpoint = ref()
             if checkpoint is not None and checkpoint._pending:
                 checkpoint._apply_pending()
-                checkpoint._hook_unbuilt(collect_slots(checkpoint._named()))
 
         for obj in slots.unbuilt:
             install_build_hook(obj, id(self), built)
@@ -369,6 +368,19 @@ class Checkpoint:
         if self._status is not None:
             self._status.matched |= matched
             self._status.unmatched_values -= matched
+        self._hook_unbuilt(slots)   # objects attached unbuilt get their values when built
+
+
+def _agreed_slots(named: Dict[str, Any], engine, path: str):
+    """The slots of a save; a value that cannot be saved (``ValueError`` naming each path)
+    raises on every rank, even where only one rank's graph holds it."""
+    slots, failure = None, None
+    try:
+        slots = collect_slots(named, strict=True)
+    except ValueError as err:
+        failure = Failure(err, engine.rank)
+    agree_errors(engine, failure, f"saving {path}")
+    return slots
 
 
 class _SaveJob:

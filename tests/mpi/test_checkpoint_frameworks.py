@@ -158,6 +158,9 @@ def test_values_that_cannot_be_saved_are_refused_naming_each_path(world, shared_
         assert name in text, text
     assert "'params" not in text and "'nested/ok'" not in text
     assert ms.latest_checkpoint(shared_dir) is None and int(ckpt.save_counter) == 0
+    one_rank = {"w": np.ones(2)} if world.rank else {"w": np.ones(2), "f": print}
+    with pytest.raises(ValueError, match=r"rank 0: .*'extra/f'"):   # every rank raises
+        ms.Checkpoint(extra=one_rank).save(shared_dir + "/one")
 
 
 @pytest.mark.mpi(min_size=1)
@@ -272,7 +275,9 @@ def test_restore_on_create_at_any_depth(world, shared_dir):
     source.net["encoder"](np.ones((2, 5), np.float32))
     params = params_of(5)
     source.opt_state = optax.sgd(0.1, momentum=0.9).init(params)
-    path = ms.Checkpoint(trainer=source).save(shared_dir + "/lazy")
+    head = keras.Sequential([keras.layers.Dense(2)])
+    head(np.ones((1, 3), np.float32))
+    path = ms.Checkpoint(trainer=source, head=head).save(shared_dir + "/lazy")
     target = Trainer()                           # nothing built, no optimizer state yet
     ckpt = ms.Checkpoint(trainer=target)
     status = ckpt.restore(path)
@@ -283,4 +288,8 @@ def test_restore_on_create_at_any_depth(world, shared_dir):
     target.opt_state = optax.sgd(0.1, momentum=0.9).init(jax.tree.map(jnp.zeros_like, params))
     status.apply_pending()                       # a pytree attached deep inside: on request
     assert_same_tree(target.opt_state, source.opt_state)
+    ckpt.head = keras.Sequential([keras.layers.Dense(2)])   # attached unbuilt, after the restore
+    ckpt.head(np.ones((1, 3), np.float32))
+    for a, b in zip(ckpt.head.weights, head.weights):
+        assert np.array_equal(raw(a.value), raw(b.value))
     status.assert_consumed()

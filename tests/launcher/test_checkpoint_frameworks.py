@@ -17,10 +17,14 @@ from mpistrat.checkpoint.validate import check_dtype
 from mpistrat.runtime import get_world
 
 mode, directory = sys.argv[1], sys.argv[2]
-try:
-    check_dtype(np.dtype(jnp.bfloat16), "probe"); half = jnp.bfloat16
-except Exception:
-    half = jnp.float16           # bfloat16 storage: issue 17's dtype rules
+try:                             # bfloat16 storage: issue 17's dtype rules (checkpoint/dtypes.py)
+    from mpistrat.checkpoint.dtypes import to_stored
+    half = jnp.bfloat16
+except ImportError:
+    try:
+        check_dtype(np.dtype(jnp.bfloat16), "probe"); half = jnp.bfloat16
+    except Exception:
+        half = jnp.float16
 keras.utils.set_random_seed(0)
 
 class Net(nnx.Module):
@@ -85,7 +89,7 @@ if mode == "save":
     if get_world().rank == 0:
         with open(directory + "/expected.json", "w") as f:
             json.dump({k: describe(v) for k, v in leaves(s).items()}, f)
-    say("saved", path, str(np.dtype(half)))
+    say("saved", path, np.dtype(half).name)
 else:
     s = state(5, train=False)
     ckpt = ms.Checkpoint(**s)

@@ -119,7 +119,9 @@ class SlotMap(dict):
 
 class _Walk:
     def __init__(self, strict: bool):
-        self.slots, self.seen, self.strict = SlotMap(), set(), strict
+        # id -> object: holding the objects keeps their ids unique while we walk (children
+        # made on access, as nnx.State's nested states, would otherwise reuse freed ids)
+        self.slots, self.seen, self.strict = SlotMap(), {}, strict
         self.refused: List[str] = []
 
     def refuse(self, path: str, obj: Any, why: str) -> None:
@@ -169,7 +171,7 @@ def _walk(obj: Any, path: str, setter, walk: _Walk, attribute: bool, depth: int)
         return
     if id(obj) in walk.seen:       # shared objects are saved once, under their first path
         return
-    walk.seen.add(id(obj))
+    walk.seen[id(obj)] = obj
     slot = _leaf_slot(obj, path, setter)
     if slot is not None:
         walk.slots[path] = slot

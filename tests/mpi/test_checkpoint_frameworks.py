@@ -219,6 +219,10 @@ def test_flax_nnx_module_and_optimizer(world, shared_dir):
     step(model, optimizer, x)      # training continues identically (dropout keys included)
     step(other, other_opt, x)
     assert_same_tree(nnx.state(other), nnx.state(model))
+    path = ms.Checkpoint(state=nnx.state(model, nnx.Param)).save(shared_dir + "/state")
+    third = Net(nnx.Rngs(9))
+    ms.Checkpoint(state=nnx.state(third, nnx.Param)).restore(path).assert_consumed()
+    assert_same_tree(nnx.state(third, nnx.Param), nnx.state(model, nnx.Param))  # in the module
 
 
 @pytest.mark.mpi(min_size=1)

@@ -18,7 +18,10 @@ What is saved:
 Restores write into mutable values (variables, writeable NumPy and CuPy arrays, dict and
 list items, attributes). Immutable values (JAX arrays, read-only NumPy arrays, numbers) and
 immutable containers (tuples, NamedTuples, pytree nodes) are rebuilt and rebound on their
-parent, so ``ckpt.opt_state`` is then the restored tree, of the same treedef.
+parent, so ``ckpt.opt_state`` is then the restored tree, of the same treedef. A mutable
+object held at several paths is saved once, under its first path; an immutable value
+(JAX array, read-only array, tuple) is saved at every path that holds it, since each
+holder is rebound separately.
 
 What is skipped, silently, because it is not state: ``None``, strings and bytes, enum
 members, classes, modules and dtypes anywhere; functions, methods, partials and wrapped or
@@ -154,6 +157,11 @@ def _is_code(obj: Any) -> bool:
         callable(obj) and hasattr(obj, "__wrapped__") and not isinstance(obj, type)
 
 
+def _immutable(obj: Any) -> bool:
+    return isinstance(obj, tuple) or pytrees.is_jax_array(obj) or \
+        isinstance(obj, np.ndarray) and not obj.flags.writeable
+
+
 def _skipped(obj: Any) -> bool:
     return obj is None or obj is Ellipsis or isinstance(
         obj, (str, bytes, enum.Enum, type, types.ModuleType, np.dtype))
@@ -169,9 +177,12 @@ def _walk(obj: Any, path: str, setter, walk: _Walk, attribute: bool, depth: int)
         if isinstance(obj, types.GeneratorType) or not attribute:
             walk.refuse(path, obj, "code or a generator, not state")
         return
-    if id(obj) in walk.seen:       # shared objects are saved once, under their first path
-        return
-    walk.seen[id(obj)] = obj
+    if not _immutable(obj):
+        if id(obj) in walk.seen:   # shared objects are saved once, under their first path
+            return
+        walk.seen[id(obj)] = obj
+    # an immutable value is saved at every path that holds it: each holder is rebound to a
+    # new value on restore, so one saved copy would leave the other holders stale
     slot = _leaf_slot(obj, path, setter)
     if slot is not None:
         walk.slots[path] = slot

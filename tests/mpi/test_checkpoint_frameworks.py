@@ -303,3 +303,14 @@ def test_restore_on_create_at_any_depth(world, shared_dir):
     for a, b in zip(ckpt.head.weights, head.weights):
         assert np.array_equal(raw(a.value), raw(b.value))
     status.assert_consumed()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_jax_array_held_twice_is_restored_at_both_holders(world, shared_dir):
+    tied = jnp.arange(4.0)                       # tied weights: one immutable array, two holders
+    path = ms.Checkpoint(encoder={"emb": tied}, decoder={"emb": tied}).save(shared_dir + "/t")
+    zeros = jnp.zeros(4)
+    fresh = ms.Checkpoint(encoder={"emb": zeros}, decoder={"emb": zeros})
+    fresh.restore(path).assert_consumed()
+    assert_same_tree(fresh.encoder, {"emb": tied})
+    assert_same_tree(fresh.decoder, {"emb": tied})

@@ -67,7 +67,6 @@ from mpistrat.distribute.variables import Variable
 __all__ = ["Slot", "SlotMap", "collect_slots", "check_segment", "check_path"]
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9_.\-]+$")
-_NUMBER_KINDS = {bool: "bool", int: "int", float: "float"}
 _NUMBERS = (bool, int, float, np.number, np.bool_)
 _CODE = (types.FunctionType, types.MethodType, types.BuiltinFunctionType,
          types.BuiltinMethodType, types.LambdaType, staticmethod, classmethod)
@@ -168,10 +167,10 @@ def _skipped(obj: Any) -> bool:
 
 
 def _walk(obj: Any, path: str, setter, walk: _Walk, attribute: bool, depth: int) -> None:
+    if _skipped(obj) or frameworks.is_static(obj):     # an IntEnum is skipped, not a number
+        return
     if isinstance(obj, _NUMBERS):
         walk.slots[path] = _number_slot(path, obj, setter)
-        return
-    if _skipped(obj) or frameworks.is_static(obj):
         return
     if _is_code(obj) or isinstance(obj, types.GeneratorType):
         if isinstance(obj, types.GeneratorType) or not attribute:
@@ -265,7 +264,8 @@ def _is_plain_object(obj: Any) -> bool:
 
 
 def _number_slot(path, value, setter) -> Slot:
-    kind = _NUMBER_KINDS.get(type(value), "array")
+    kind = "array" if isinstance(value, np.generic) else "bool" if isinstance(value, bool) \
+        else "int" if isinstance(value, int) else "float"     # subclasses as their base
     if kind == "array":   # a NumPy scalar comes back as one of the same dtype
         convert = lambda v: np.asarray(v).astype(value.dtype)[()]  # noqa: E731
     else:

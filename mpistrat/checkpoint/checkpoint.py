@@ -13,11 +13,32 @@ Every call is collective: all ranks save and restore together.
     True
     >>> model.kernel.numpy().tolist()
     [1.0, 1.0, 1.0]
+
+What is saved, skipped and refused is ``graph.py``'s rule: ``save`` raises ``ValueError``
+naming every value it cannot save, never writes a file that lacks one. Immutable values
+(JAX arrays, tuples, optax states, Equinox modules) are rebuilt and rebound, so read them
+back from where they are held (``ckpt.opt_state``), not from an old reference.
+
+Restore-on-create. Values in the file whose objects do not exist yet stay *pending* (in
+``status.unmatched_values``) until their objects appear anywhere in the graph. They are
+applied, checked against the object first, when
+
+1. an attribute is set on the ``Checkpoint`` (``ckpt.opt_state = tx.init(params)``);
+2. Keras builds a layer or optimizer that the graph held unbuilt at the restore (a layer at
+   its first call, an optimizer's slots at its first step or ``build``): a hook on its
+   ``build`` applies them right after it returns, before any training step uses them;
+3. ``status.apply_pending()``, ``assert_consumed()`` or ``assert_existing_objects_matched()``
+   is called (objects attached deep inside another, such as a pytree set on a plain
+   object after the restore: call ``apply_pending()`` before training on it).
+
+A save never applies them (that would overwrite what training did since). They last until
+the next restore of this checkpoint.
 """
 
 import os
+import weakref
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -25,8 +46,10 @@ from mpi4py import MPI
 from mpistrat.checkpoint import writer
 from mpistrat.checkpoint.directory import (io_engine, latest_checkpoint, prepare_directory,
                                            record_latest)
+from mpistrat.checkpoint.frameworks import install_build_hook
 from mpistrat.checkpoint.files import data_file, local_view, missing_hint
 from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots
+from mpistrat.checkpoint.matching import check_compatible as _check_compatible, read_batches
 from mpistrat.checkpoint.h5read import Reader, read_catalog, read_entry, read_values
 from mpistrat.checkpoint.h5write import write_file
 from mpistrat.checkpoint.same_path import agree_view_at
@@ -54,23 +77,43 @@ class CheckpointOptions:
 
 
 class CheckpointLoadStatus:
-    """What a restore matched; the ``assert_*`` methods raise ``AssertionError``."""
+    """What a restore matched; the ``assert_*`` methods raise ``AssertionError``.
 
-    def __init__(self, path: str, matched, unmatched_values, missing_objects):
+    ``assert_consumed`` and ``assert_existing_objects_matched`` first restore pending values
+    into objects created since the restore (``apply_pending``), then judge the graph as it is.
+    """
+
+    def __init__(self, path: str, matched, unmatched_values, missing_objects, refresh=None):
         self.path = path
         self.matched = set(matched)
         self.unmatched_values = set(unmatched_values)  # in the file, no object (yet)
         self.missing_objects = set(missing_objects)    # objects with no value in the file
+        self._refresh = refresh   # () -> objects now without a value (None: keep the old)
+
+    def apply_pending(self) -> "CheckpointLoadStatus":
+        """Restore values still pending into the objects that now exist anywhere in the
+        checkpoint's graph (objects created after the restore: optimizer slots, a lazily
+        built layer, a pytree attached deep inside another object)."""
+        if self._refresh is not None:
+            missing = self._refresh()
+            if missing is not None:
+                self.missing_objects = set(missing)
+        return self
 
     def assert_consumed(self) -> "CheckpointLoadStatus":
         """Every value in the file found its object, and every object its value."""
+        self.apply_pending()
         if self.unmatched_values:
             raise AssertionError(f"{self.path}: values with no object to restore into: "
                                  f"{sorted(self.unmatched_values)}")
-        return self.assert_existing_objects_matched()
+        return self._existing_matched()
 
     def assert_existing_objects_matched(self) -> "CheckpointLoadStatus":
         """Every object now tracked got a value from the file."""
+        self.apply_pending()
+        return self._existing_matched()
+
+    def _existing_matched(self) -> "CheckpointLoadStatus":
         if self.missing_objects:
             raise AssertionError(f"{self.path}: objects without a value in the checkpoint: "
                                  f"{sorted(self.missing_objects)}")
@@ -124,7 +167,7 @@ class Checkpoint:
             return
         self._children[check_segment(name)] = value
         if self._pending:
-            self._apply_pending({name: value})
+            self._apply_pending()
 
     def _named(self) -> Dict[str, Any]:
         named = {}
@@ -180,7 +223,7 @@ class Checkpoint:
             writer.wait_idle()
             engine = io_engine()
             prepare_directory(os.path.dirname(path) or ".", engine, path)
-            slots = collect_slots(self._named())
+            slots = _agreed_slots(self._named(), engine, path)
             asynchronous = options is not None and options.asynchronous
             if asynchronous and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
                 raise RuntimeError("async checkpoints need MPI_THREAD_MULTIPLE; this MPI "
@@ -239,7 +282,8 @@ class Checkpoint:
             matched, pending, missing = restore_tensorflow(self, path, engine, _check_compatible)
             object.__setattr__(self, "_pending", pending)
             object.__setattr__(self, "_status", CheckpointLoadStatus(
-                path, matched, set(pending.unmatched), missing))
+                path, matched, set(pending.unmatched), missing, lambda: self._refresh(None)))
+            self._hook_unbuilt(collect_slots(self._named()))
             return self._status
         final = data_file(path)
         if agree_view(engine, local_view(final), final) != "file":
@@ -253,16 +297,21 @@ class Checkpoint:
         with timeline.span("checkpoint restore", "checkpoint", file=os.path.basename(final),
                            nbytes=sum(e.nbytes for e in wanted.values())), \
                 Reader(wanted, engine) as reader:
-            for batch in _read_batches(wanted):  # read, verify, apply: old values freed as we go
+            for batch in read_batches(wanted):  # read, verify, apply: old values freed as we go
                 matched |= self._apply(slots, read_values(final, reader, batch), final)
         # values without an object yet are read when one is attached (never before)
         pending = {p: e for p, e in catalog.items() if p not in matched}
         object.__setattr__(self, "_pending", pending)
-        status = CheckpointLoadStatus(final, matched, pending, set(slots) - set(catalog))
+        saved = set(catalog)
+        status = CheckpointLoadStatus(final, matched, pending, set(slots) - saved,
+                                      lambda: self._refresh(saved))
         object.__setattr__(self, "_status", status)
+        self._hook_unbuilt(slots)
         return status
 
     def _apply(self, slots: Dict[str, Slot], values: Dict[str, np.ndarray], source: str):
+        """Write ``values`` into their slots; a value counts as restored only once written
+        (then immutable nodes are rebuilt and rebound: ``SlotMap.finish``)."""
         matched, states = set(), {}
         for path in sorted(set(slots) & set(values)):
             slot, value = slots[path], values[path]
@@ -271,14 +320,44 @@ class Checkpoint:
                 states.setdefault(id(slot.owner), (slot.owner, {}))[1][path.rsplit("/", 1)[1]] = value
             elif slot.write is not None:
                 slot.write(value)
+            else:
+                continue
             matched.add(path)
         for owner, tensors in states.values():
             owner._restore_from_tensors(tensors)
+        if hasattr(slots, "finish"):
+            slots.finish()
         return matched
 
-    def _apply_pending(self, named: Dict[str, Any]) -> None:
-        """Values restored earlier for objects attached now: checked, then read by this rank
-        alone (attaching needs no other rank)."""
+    # -- restore-on-create ---------------------------------------------------------
+    def _hook_unbuilt(self, slots) -> None:
+        """While values are pending, every framework object not built yet (a Keras layer,
+        a Keras optimizer) restores them right after it is built."""
+        if not self._pending or not getattr(slots, "unbuilt", None):
+            return
+        ref = weakref.ref(self)
+
+        def built():
+            checkpoint = ref()
+            if checkpoint is not None and checkpoint._pending:
+                checkpoint._apply_pending()
+
+        for obj in slots.unbuilt:
+            install_build_hook(obj, id(self), built)
+
+    def _refresh(self, saved):
+        """Apply pending values to the graph as it is now; the objects now without a value
+        in the file (``None`` when the file's paths are not ours to compare)."""
+        if self._pending:
+            self._apply_pending()
+        if saved is None:
+            return None
+        return set(collect_slots(self._named())) - saved
+
+    def _apply_pending(self, named: Optional[Dict[str, Any]] = None) -> None:
+        """Values restored earlier for objects that appeared since (anywhere in the graph):
+        checked, then read by this rank alone (attaching needs no other rank)."""
+        named = self._named() if named is None else named
         if hasattr(self._pending, "apply"):  # values of a TensorFlow checkpoint
             return self._pending.apply(self, named, _check_compatible)
         slots = collect_slots(named, self._assign)
@@ -292,44 +371,19 @@ class Checkpoint:
         if self._status is not None:
             self._status.matched |= matched
             self._status.unmatched_values -= matched
+        self._hook_unbuilt(slots)   # objects attached unbuilt get their values when built
 
 
-_BATCH_BYTES = 64 << 20
-
-
-def _read_batches(catalog) -> List[List[str]]:
-    """Paths in batches of about 64 MiB (a large value alone), all ``state`` values last and
-    together (their owner restores them at once), so a restore holds at most the state plus
-    one batch in memory."""
-    batches: List[List[str]] = [[]]
-    size = 0
-    for path in sorted(p for p, e in catalog.items() if e.kind != "state"):
-        if batches[-1] and size + catalog[path].nbytes > _BATCH_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append(path)
-        size += catalog[path].nbytes
-    batches.append(sorted(p for p, e in catalog.items() if e.kind == "state"))
-    return [b for b in batches if b]
-
-
-_NUMBER_DTYPES = {"int": "iu", "float": "fiu", "bool": "b"}
-
-
-def _check_compatible(slot: Slot, value, path: str, source: str) -> None:
-    """``value`` (an array, or a catalog entry before reading) fits the object at ``path``."""
-    owner = slot.owner
-    if slot.kind in ("variable", "array") and owner is not None:
-        shape, dtype = tuple(owner.shape), np.dtype(owner.dtype)
-        if tuple(value.shape) != shape or value.dtype != dtype:
-            raise ValueError(f"cannot restore {path!r} from {source}: the checkpoint holds "
-                             f"{value.dtype}{list(value.shape)}, the object is {dtype}{list(shape)}")
-    elif slot.kind in _NUMBER_DTYPES or slot.kind == "array":  # a Python or NumPy number
-        kinds = _NUMBER_DTYPES.get(slot.kind, "biufc")
-        if tuple(value.shape) != () or value.dtype.kind not in kinds:
-            raise ValueError(f"cannot restore {path!r} from {source}: the checkpoint holds "
-                             f"{value.dtype}{list(value.shape)}, the object is a {slot.kind} "
-                             f"number")
+def _agreed_slots(named: Dict[str, Any], engine, path: str):
+    """The slots of a save; a value that cannot be saved (``ValueError`` naming each path)
+    raises on every rank, even where only one rank's graph holds it."""
+    slots, failure = None, None
+    try:
+        slots = collect_slots(named, strict=True)
+    except ValueError as err:
+        failure = Failure(err, engine.rank)
+    agree_errors(engine, failure, f"saving {path}")
+    return slots
 
 
 class _SaveJob:

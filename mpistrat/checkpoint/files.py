@@ -2,7 +2,10 @@
 
 A checkpoint ``dir/ckpt-3`` is the file ``dir/ckpt-3.h5`` (plus, in part-file
 mode, ``dir/ckpt-3.part-R-of-N-TOKEN.h5``). While it is written it is
-``dir/.ckpt-3.h5.tmp-TOKEN``. Every file this library writes starts with a
+``dir/.ckpt-3.h5.tmp-TOKEN``. Each is created with ``O_CREAT|O_EXCL|O_NOFOLLOW``
+(``create_exclusive``) under a random name, and renamed into place only while it is
+still the file we created (``same_file``), so a planted file or symlink never makes
+us write anywhere else. Every file this library writes starts with a
 512-byte HDF5 user block holding :data:`MARKER`; clean-up deletes only files
 whose name follows one of our patterns *and* that start with the marker, so
 other programs' files in the same directory are never touched.
@@ -17,10 +20,12 @@ other programs' files in the same directory are never touched.
 import glob
 import os
 import re
+import secrets
 import warnings
 from typing import Iterable, List, Optional
 
 __all__ = ["data_file", "temp_name", "part_name", "MARKER", "USERBLOCK", "write_marker",
+           "create_exclusive", "random_temp", "same_file",
            "is_ours", "state_name", "check_checkpoint_name", "local_view", "remove_checkpoint", "remove_leftovers",
            "missing_hint"]
 
@@ -60,13 +65,35 @@ def part_match(name: str, stem: str) -> Optional[re.Match]:
     return match if match and match["stem"] == stem else None
 
 
-def write_marker(path: str) -> None:
-    """Write :data:`MARKER` into the user block of a file just created by h5py."""
-    fd = os.open(path, os.O_WRONLY)
+_CREATE = (os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+           | getattr(os, "O_CLOEXEC", 0))
+
+
+def create_exclusive(path: str) -> int:
+    """Create ``path`` and return its descriptor: ``O_CREAT|O_EXCL|O_NOFOLLOW``, so a file or
+    a symlink planted under the name fails (``FileExistsError``) instead of being followed.
+    Every file this library writes is created here, under a random name."""
+    return os.open(path, _CREATE, 0o666)
+
+
+def random_temp(directory: str, base: str) -> str:
+    """A fresh temporary name ``directory/.BASE.tmp-RANDOM`` (never guessable)."""
+    return temp_name(os.path.join(directory, base), secrets.token_hex(TOKEN_HEX // 2))
+
+
+def same_file(fd: int, path: str) -> bool:
+    """Whether ``path`` (not followed) is still the file open as ``fd``."""
     try:
-        os.pwrite(fd, MARKER, 0)
-    finally:
-        os.close(fd)
+        mine, there = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+
+
+def write_marker(fd: int) -> None:
+    """Write :data:`MARKER` into the user block of a file just created by h5py."""
+    if os.pwrite(fd, MARKER, 0) != len(MARKER):
+        raise OSError(28, "short write of the checkpoint marker")
 
 
 def is_ours(path: str) -> bool:

@@ -15,9 +15,10 @@ it in the middle of a save: the preemption handler then saves and exits 75).
 This file imports only the standard library, NumPy and h5py: the child never
 starts MPI. ``create(spec)`` is the caller's side::
 
-    offsets = create({"path": "/tmp/.ckpt-1.h5.tmp-...", "userblock": 512,
+    fd = files.create_exclusive(path)
+    offsets = create({"path": path, "userblock": 512,
                       "attrs": {"mpistrat_format_version": [2, "int64"]},
-                      "datasets": [{"name": "w", "shape": [5], "dtype": "<f8", "attrs": {}}]})
+                      "datasets": [{"name": "w", "shape": [5], "dtype": "<f8", "attrs": {}}]}, fd)
 """
 
 import json
@@ -29,11 +30,16 @@ import sys
 __all__ = ["create"]
 
 
-def create(spec: dict) -> dict:
-    """Run the layout described by ``spec`` in a child process; return ``{name: offset}``."""
+def create(spec: dict, fd: int) -> dict:
+    """Run the layout described by ``spec`` in a child process; return ``{name: offset}``.
+
+    ``fd`` is the file, open for reading and writing, created by the caller
+    (``files.create_exclusive``): the child writes through it, never by name.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # finds NumPy and h5py
-    done = _run_shielded([sys.executable, "-S", os.path.abspath(__file__)], json.dumps(spec), env)
+    done = _run_shielded([sys.executable, "-S", os.path.abspath(__file__)],
+                         json.dumps(dict(spec, fd=fd)), env, fd)
     if done.returncode == 0:
         return {name: int(offset) for name, offset in json.loads(done.stdout).items()}
     reply = _last_json(done.stdout)
@@ -51,7 +57,7 @@ _SHIELDED = {getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "
                                                 "SIGUSR2", "SIGQUIT") if hasattr(signal, name)}
 
 
-def _run_shielded(argv, text: str, env) -> subprocess.CompletedProcess:
+def _run_shielded(argv, text: str, env, fd: int) -> subprocess.CompletedProcess:
     """Run the layout child immune to the job's signals: in a session of its own (a signal to
     the job's process group, as Slurm or a terminal send, misses it), and with those signals
     blocked, a mask it inherits across ``exec`` (one sent to each of the job's processes stays
@@ -61,7 +67,7 @@ def _run_shielded(argv, text: str, env) -> subprocess.CompletedProcess:
     try:
         child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, env=env,
-                                 start_new_session=True)
+                                 start_new_session=True, pass_fds=(fd,))
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     stdout, stderr = child.communicate(text)
@@ -98,10 +104,12 @@ def _dcpl():
 def _layout(spec: dict) -> dict:
     """Create the file: contiguous datasets allocated and never filled, scalars written,
     virtual datasets mapping part files; return the byte offset of each allocated dataset."""
+    import io
     import h5py
     import numpy as np
     offsets = {}
-    with h5py.File(spec["path"], "w", userblock_size=spec["userblock"]) as f:
+    target = io.FileIO(spec["fd"], "r+", closefd=False)  # created by the caller, never by name
+    with h5py.File(target, "w", userblock_size=spec["userblock"]) as f:
         for key, value in spec["attrs"].items():
             f.attrs[key] = _attr(value)
         for item in spec["datasets"]:

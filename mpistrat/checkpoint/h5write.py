@@ -40,8 +40,8 @@ from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.checkpoint import h5layout
 from mpistrat.checkpoint.consensus import agree_values, value_digest
 from mpistrat.checkpoint.dtypes import DTYPE_ATTR, to_stored
-from mpistrat.checkpoint.files import (USERBLOCK, part_name, remove_checkpoint, temp_name,
-                                       write_marker)
+from mpistrat.checkpoint.files import (USERBLOCK, create_exclusive, part_name,
+                                       remove_checkpoint, same_file, temp_name, write_marker)
 from mpistrat.checkpoint.layout import partition_owner, write_partitions
 from mpistrat.checkpoint.validate import check_dtype
 from mpistrat.collectives import CollectiveEngine
@@ -205,9 +205,10 @@ def _attr_spec(value):
     return [value, None]
 
 
-def _create_layout(path: str, entries, root_attrs: Dict, sources=None) -> Dict[str, int]:
-    """Create ``path`` with its datasets laid out (in the HDF5 layout process); return each
-    dataset's byte offset. ``sources[name]`` makes ``name`` a virtual dataset over part files."""
+def _create_layout(path: str, entries, root_attrs: Dict, sources=None) -> Tuple[Dict[str, int], int]:
+    """Create ``path`` (``O_EXCL|O_NOFOLLOW``) with its datasets laid out (in the HDF5 layout
+    process); return each dataset's byte offset and the open descriptor (the caller closes
+    it). ``sources[name]`` makes ``name`` a virtual dataset over part files."""
     datasets = []
     for name, value, attrs in entries:
         item = {"name": name, "shape": list(value.shape), "dtype": value.dtype.str,
@@ -217,15 +218,22 @@ def _create_layout(path: str, entries, root_attrs: Dict, sources=None) -> Dict[s
         elif sources and name in sources:
             item["sources"] = sources[name]
         datasets.append(item)
-    offsets = h5layout.create({"path": path, "userblock": USERBLOCK, "datasets": datasets,
-                               "attrs": {k: _attr_spec(v) for k, v in root_attrs.items()}})
-    write_marker(path)
-    return offsets
+    fd = create_exclusive(path)
+    try:
+        offsets = h5layout.create({"path": path, "userblock": USERBLOCK, "datasets": datasets,
+                                   "attrs": {k: _attr_spec(v) for k, v in root_attrs.items()}},
+                                  fd)
+        write_marker(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return offsets, fd
 
 
 def _write_blocks(path: str, blocks) -> None:
     """Positional writes of ``(offset, block)`` into an existing file, then ``fsync``."""
-    fd = os.open(path, os.O_WRONLY)  # never created here: the file is the one rank 0 laid out
+    # never created here: the file is the one rank 0 laid out (a symlink there is refused)
+    fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
         for offset, block in blocks:
             view = memoryview(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
@@ -274,12 +282,15 @@ def _discard(*paths: str) -> None:
 def _write_shared(final, plan, kinds, checksums, token, engine, what) -> None:
     rank, size = engine.rank, engine.size
     tmp = temp_name(final, token)
+    created = None  # rank 0: the descriptor of the file it created
     try:
         failure, offsets = (None, None)
         if rank == 0:
             entries = [(p, plan.values[p], _attrs(plan, kinds, checksums, p)) for p in plan.paths]
-            failure, offsets = _attempt(rank, f"laying out {tmp}", lambda: _create_layout(
+            failure, laid = _attempt(rank, f"laying out {tmp}", lambda: _create_layout(
                 tmp, entries, _root_attrs(size, token)))
+            if laid is not None:
+                offsets, created = laid
         agree_errors(engine, failure, what)
         offsets = broadcast_object(engine, offsets, 0, f"{what}: the layout")
         agree_view(engine, "file" if os.path.isfile(tmp) else "nothing", f"{tmp} (written by rank 0)")
@@ -289,21 +300,27 @@ def _write_shared(final, plan, kinds, checksums, token, engine, what) -> None:
         agree_errors(engine, failure, what)
         failure = None
         if rank == 0:
-            failure, _ = _attempt(rank, f"committing {final}", lambda: _commit(tmp, final))
+            failure, _ = _attempt(rank, f"committing {final}", lambda: _commit(tmp, final, created))
         agree_errors(engine, failure, what)
     except BaseException:
-        if rank == 0:
+        if created is not None and same_file(created, tmp):
             _discard(tmp)
         raise
+    finally:
+        if created is not None:
+            os.close(created)
 
 
 def _row_bytes(value: np.ndarray) -> int:
     return value.dtype.itemsize * int(np.prod(value.shape[1:], dtype=np.int64))
 
 
-def _commit(tmp: str, final: str) -> None:
+def _commit(tmp: str, final: str, fd: int) -> None:
+    """Rename ``tmp`` (open as ``fd``, created by us) over ``final``, durably."""
     fault_point("checkpoint-before-commit")
-    _fsync(tmp)
+    os.fsync(fd)
+    if not same_file(fd, tmp):
+        raise OSError(17, f"{tmp} is no longer the file this save created (replaced meanwhile)")
     os.replace(tmp, final)
     fsync_dir(os.path.dirname(final))
 
@@ -316,19 +333,21 @@ def _write_parts(final, plan, kinds, checksums, token, engine, what) -> None:
 
     def write_part():
         entries = [(f"{p}/part-{k}", plan.block(p, k), {}) for p, k in plan.owned]
-        offsets = _create_layout(tmp, entries, _root_attrs(size, token))
-        _write_blocks(tmp, [(offsets[name], block) for name, block, _ in entries
-                            if name in offsets])
-        _commit(tmp, mine)
+        offsets, fd = _create_layout(tmp, entries, _root_attrs(size, token))
+        try:
+            _write_blocks(tmp, [(offsets[name], block) for name, block, _ in entries
+                                if name in offsets])
+            _commit(tmp, mine, fd)
+        finally:
+            os.close(fd)
 
     try:
         failure, _ = _attempt(rank, f"writing {tmp}", write_part)
         agree_errors(engine, failure, what)
         failure = None
         if rank == 0:
-            failure, _ = _attempt(rank, f"writing the master {master_tmp}", lambda: (
-                _write_master(master_tmp, plan, kinds, checksums, parts, token, size),
-                _commit(master_tmp, final)))
+            failure, _ = _attempt(rank, f"writing the master {master_tmp}", lambda: _write_master(
+                master_tmp, final, plan, kinds, checksums, parts, token, size))
         agree_errors(engine, failure, what)
     except BaseException:
         _discard(tmp, mine, *([master_tmp] if rank == 0 else []))
@@ -337,7 +356,7 @@ def _write_parts(final, plan, kinds, checksums, token, engine, what) -> None:
         remove_checkpoint(final, keep_token=token)
 
 
-def _write_master(tmp, plan, kinds, checksums, parts, token, size) -> None:
+def _write_master(tmp, final, plan, kinds, checksums, parts, token, size) -> None:
     names = [os.path.basename(p) for p in parts]
     entries, sources = [], {}
     for index, p in enumerate(plan.paths):
@@ -346,4 +365,8 @@ def _write_master(tmp, plan, kinds, checksums, parts, token, size) -> None:
         if value.ndim:  # a scalar is stored in the master itself
             sources[p] = [[a, b, names[partition_owner(index, part, size)], f"{p}/part-{part}"]
                           for part, (a, b) in enumerate(plan.layouts[p])]
-    _create_layout(tmp, entries, _root_attrs(size, token), sources)
+    _, fd = _create_layout(tmp, entries, _root_attrs(size, token), sources)
+    try:
+        _commit(tmp, final, fd)
+    finally:
+        os.close(fd)

@@ -8,7 +8,8 @@
     last_preserved_timestamp: 1764499000.0
 
 Paths are relative to the directory. It is written atomically (temporary
-file, fsync, rename, fsync of the directory) and parsed without evaluating
+file of a random name created with ``O_EXCL|O_NOFOLLOW``, fsync, rename, fsync of the
+directory) and parsed without evaluating
 anything::
 
     >>> from mpistrat.checkpoint.state_file import CheckpointState, format_state, parse_state
@@ -17,6 +18,7 @@ anything::
     True
 """
 
+import errno
 import json
 import math
 import os
@@ -25,6 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from mpistrat.checkpoint.files import create_exclusive, random_temp, same_file
 from mpistrat.errors import DataLossError
 
 __all__ = ["CheckpointState", "format_state", "parse_state", "read_state", "write_state",
@@ -129,18 +132,24 @@ def read_state(directory: str) -> Optional[CheckpointState]:
 def write_state(directory: str, state: CheckpointState) -> None:
     """Replace the state file atomically (nothing is left behind if it fails)."""
     path = os.path.join(directory, STATE_FILE)
-    tmp = os.path.join(directory, f".{STATE_FILE}.tmp-{os.getpid()}")
+    tmp = random_temp(directory, STATE_FILE)
+    fd = create_exclusive(tmp)  # never follows a planted name
+    ours = True
     try:
-        with open(tmp, "w", encoding="utf-8") as handle:
+        with open(fd, "w", encoding="utf-8") as handle:
             handle.write(format_state(state))
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+            ours = same_file(handle.fileno(), tmp)
+            if not ours:
+                raise OSError(errno.EEXIST, f"{tmp} was replaced while it was written")
+            os.replace(tmp, path)
     except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
+        if ours:  # never delete what someone else put under the name
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
         raise
     fd = os.open(directory or ".", os.O_RDONLY)
     try:

@@ -209,3 +209,29 @@ def test_an_int64_on_read_sum_counter_restores_exactly(strategy, world, shared_d
         assert sum(shares) == 5 and max(shares) - min(shares) <= 1, shares
         counter.assign(np.int64(-7))
         assert int(counter.numpy()) == -7
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_planted_symlink_never_makes_a_save_write_outside(world, shared_dir, tmp_path):
+    outside = os.path.join(shared_dir, "..", f"victim-{os.path.basename(shared_dir)}")
+    run = os.path.join(shared_dir, "run")
+    if world.rank == 0:
+        os.makedirs(run)
+        with open(outside, "wb") as handle:
+            handle.write(b"precious")
+        os.symlink(outside, os.path.join(run, f".checkpoint.tmp-{os.getpid()}"))  # the old name
+    world.comm.Barrier()
+    w = {"w": np.arange(4.0)}
+    manager = ms.CheckpointManager(ms.Checkpoint(tree=w), run, max_to_keep=2)
+    paths = [manager.save(), ms.Checkpoint(tree=w).save(run + "/other")]
+    assert ms.latest_checkpoint(run) == paths[1]
+    world.comm.Barrier()
+    if world.rank == 0:
+        assert open(outside, "rb").read() == b"precious"
+        from mpistrat.checkpoint.files import create_exclusive
+        planted = os.path.join(run, ".ckpt-9.h5.tmp-" + "0" * 32)
+        os.symlink(outside, planted)
+        with pytest.raises(FileExistsError):
+            create_exclusive(planted)  # how every file of ours is created
+        assert open(outside, "rb").read() == b"precious"
+        os.remove(outside)

@@ -24,7 +24,7 @@ import secrets
 import warnings
 from typing import Iterable, List, Optional
 
-__all__ = ["data_file", "temp_name", "part_name", "MARKER", "USERBLOCK", "write_marker",
+__all__ = ["data_file", "temp_name", "part_name", "MARKER", "USERBLOCK",
            "create_exclusive", "random_temp", "same_file",
            "is_ours", "state_name", "check_checkpoint_name", "local_view", "remove_checkpoint", "remove_leftovers",
            "missing_hint"]
@@ -88,12 +88,6 @@ def same_file(fd: int, path: str) -> bool:
     except OSError:
         return False
     return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
-
-
-def write_marker(fd: int) -> None:
-    """Write :data:`MARKER` into the user block of a file just created by h5py."""
-    if os.pwrite(fd, MARKER, 0) != len(MARKER):
-        raise OSError(28, "short write of the checkpoint marker")
 
 
 def is_ours(path: str) -> bool:

@@ -16,7 +16,7 @@ This file imports only the standard library, NumPy and h5py: the child never
 starts MPI. ``create(spec)`` is the caller's side::
 
     fd = files.create_exclusive(path)
-    offsets = create({"path": path, "userblock": 512,
+    offsets = create({"path": path, "userblock": 512, "marker": MARKER.hex(),
                       "attrs": {"mpistrat_format_version": [2, "int64"]},
                       "datasets": [{"name": "w", "shape": [5], "dtype": "<f8", "attrs": {}}]}, fd)
 """
@@ -110,6 +110,8 @@ def _layout(spec: dict) -> dict:
     offsets = {}
     target = io.FileIO(spec["fd"], "r+", closefd=False)  # created by the caller, never by name
     with h5py.File(target, "w", userblock_size=spec["userblock"]) as f:
+        # the marker first: a file left by a save torn from here on is known to be ours
+        os.pwrite(spec["fd"], bytes.fromhex(spec["marker"]), 0)
         for key, value in spec["attrs"].items():
             f.attrs[key] = _attr(value)
         for item in spec["datasets"]:

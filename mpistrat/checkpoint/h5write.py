@@ -40,8 +40,8 @@ from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.checkpoint import h5layout
 from mpistrat.checkpoint.consensus import agree_values, value_digest
 from mpistrat.checkpoint.dtypes import DTYPE_ATTR, to_stored
-from mpistrat.checkpoint.files import (USERBLOCK, create_exclusive, part_name,
-                                       remove_checkpoint, same_file, temp_name, write_marker)
+from mpistrat.checkpoint.files import (MARKER, USERBLOCK, create_exclusive, part_name,
+                                       remove_checkpoint, same_file, temp_name)
 from mpistrat.checkpoint.layout import partition_owner, write_partitions
 from mpistrat.checkpoint.validate import check_dtype
 from mpistrat.collectives import CollectiveEngine
@@ -220,11 +220,13 @@ def _create_layout(path: str, entries, root_attrs: Dict, sources=None) -> Tuple[
         datasets.append(item)
     fd = create_exclusive(path)
     try:
-        offsets = h5layout.create({"path": path, "userblock": USERBLOCK, "datasets": datasets,
+        offsets = h5layout.create({"path": path, "userblock": USERBLOCK, "marker": MARKER.hex(),
+                                   "datasets": datasets,
                                    "attrs": {k: _attr_spec(v) for k, v in root_attrs.items()}},
                                   fd)
-        write_marker(fd)
     except BaseException:
+        if same_file(fd, path):  # ours: a failed layout leaves nothing behind
+            _discard(path)
         os.close(fd)
         raise
     return offsets, fd

@@ -147,3 +147,46 @@ def test_a_rank_stopped_in_a_checkpoint_makes_the_others_raise_within_the_timeou
     assert found.group(1) == "DeadlineExceededError", output[-3000:]
     assert float(found.group(2)) < TIMEOUT + 5, output[-3000:]
     assert job.returncode not in (0, 124), output[-3000:]  # ended, not killed by the limit
+
+
+WIDTHS = """
+import sys, numpy as np, ml_dtypes, mpistrat as ms
+directory, action = sys.argv[1], sys.argv[2]
+strategy = ms.MultiWorkerMirroredStrategy()
+rank = strategy.cluster_resolver.task_id
+with strategy.scope():
+    counter = ms.Variable(np.int64(0), synchronization=ms.VariableSynchronization.ON_READ,
+                          aggregation=ms.VariableAggregation.SUM)
+    bf16 = ms.Variable(np.zeros(5, ml_dtypes.bfloat16))
+tree = {"f8": np.zeros(300_000, ml_dtypes.float8_e4m3fn), "big": np.zeros(7, ">f8"),
+        "when": np.zeros(2, "M8[us]")}
+want = {"f8": (np.arange(300_000) % 200 - 100).astype(ml_dtypes.float8_e4m3fn),
+        "big": (np.arange(7) / 7).astype(">f8"), "when": np.array(["2026-12-01", "NaT"], "M8[us]")}
+ckpt = ms.Checkpoint(counter=counter, bf16=bf16, tree=tree)
+if action == "save":
+    strategy.run(lambda: counter.assign(np.int64(5 if rank == 0 else 0)))
+    bf16.assign(np.linspace(-1, 1, 5).astype(ml_dtypes.bfloat16))
+    for k, v in want.items():
+        tree[k][...] = v
+    with strategy.scope():
+        say("before", rank, int(counter.numpy()))
+        ckpt.save(directory + "/ckpt")
+else:
+    with strategy.scope():
+        ckpt.restore(ms.latest_checkpoint(directory)).assert_consumed()
+        same = all(tree[k].dtype == v.dtype and tree[k].tobytes() == v.tobytes()
+                   for k, v in want.items())
+        same &= bf16.numpy().tobytes() == np.linspace(-1, 1, 5).astype(ml_dtypes.bfloat16).tobytes()
+        say("after", rank, int(counter.numpy()), same)
+"""
+
+
+def test_counter_and_dtypes_saved_at_2_ranks_restore_at_1_2_3(launch, tmp_path):
+    saved = launch(2, WIDTHS, str(tmp_path), "save")
+    assert saved.returncode == 0 and saved.output.count("before") == 2, saved
+    assert "before 0 5" in saved.output, saved
+    for ranks in (1, 2, 3):
+        restored = launch(ranks, WIDTHS, str(tmp_path), "restore")
+        assert restored.returncode == 0, restored
+        for rank in range(ranks):
+            assert f"after {rank} 5 True" in restored.output, restored

@@ -218,11 +218,11 @@ class Variable(NDArrayOperatorsMixin):
     def _share_of_sum(self, total) -> np.ndarray:
         """This replica's share of ``total`` for an ON_READ SUM variable: the shares sum back
         to ``total`` exactly. Integers split exactly (the first ``total mod n`` replicas hold
-        one more), floats as ``total / n``."""
+        one more) with one replica a rank, floats as ``total / n``."""
         total = np.asarray(_host(total))
-        engine = self._engine
-        if np.dtype(self.dtype).kind not in "iu":
-            return total / engine.size
+        engine, replicas = self._engine, self._strategy.num_replicas_in_sync
+        if np.dtype(self.dtype).kind not in "iu" or replicas != engine.size:
+            return total / replicas  # (several replicas a rank share one value: TPUVariable)
         quotient, remainder = np.divmod(total.astype(self.dtype), engine.size)
         return quotient + (engine.rank < remainder)
 

@@ -60,6 +60,14 @@ def test_a_float_that_differs_by_1e_9_is_refused(world, shared_dir):
     assert "rank 0:" in text and "rank 1:" in text
 
 
+@pytest.mark.mpi(min_size=3)
+def test_the_ranks_that_differ_are_named(world, shared_dir):
+    text = _refused_save(world, shared_dir, {"x": np.float32(world.rank == 1)}, "bad/x")
+    others = ", ".join(str(r) for r in range(world.size) if r != 1)
+    assert f"ranks {others}: <f4[]" in text, text  # ranks 0, 2: ...; rank 1: ...
+    assert "rank 1: <f4[]" in text, text
+
+
 @pytest.mark.mpi(min_size=2)
 def test_a_large_array_of_the_rank_id_is_refused(world, shared_dir):
     ids = np.full((world.size * 64, 4096), world.rank, dtype=np.float64)  # 2 MiB a rank: partitions

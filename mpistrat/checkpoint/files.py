@@ -24,6 +24,8 @@ import secrets
 import warnings
 from typing import Iterable, List, Optional
 
+from mpistrat.io.safe_files import create_exclusive, same_file  # noqa: F401 - re-exported
+
 __all__ = ["data_file", "temp_name", "part_name", "MARKER", "USERBLOCK",
            "create_exclusive", "random_temp", "same_file",
            "is_ours", "state_name", "check_checkpoint_name", "local_view", "remove_checkpoint", "remove_leftovers",
@@ -65,29 +67,9 @@ def part_match(name: str, stem: str) -> Optional[re.Match]:
     return match if match and match["stem"] == stem else None
 
 
-_CREATE = (os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-           | getattr(os, "O_CLOEXEC", 0))
-
-
-def create_exclusive(path: str) -> int:
-    """Create ``path`` and return its descriptor: ``O_CREAT|O_EXCL|O_NOFOLLOW``, so a file or
-    a symlink planted under the name fails (``FileExistsError``) instead of being followed.
-    Every file this library writes is created here, under a random name."""
-    return os.open(path, _CREATE, 0o666)
-
-
 def random_temp(directory: str, base: str) -> str:
     """A fresh temporary name ``directory/.BASE.tmp-RANDOM`` (never guessable)."""
     return temp_name(os.path.join(directory, base), secrets.token_hex(TOKEN_HEX // 2))
-
-
-def same_file(fd: int, path: str) -> bool:
-    """Whether ``path`` (not followed) is still the file open as ``fd``."""
-    try:
-        mine, there = os.fstat(fd), os.lstat(path)
-    except OSError:
-        return False
-    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
 
 
 def is_ours(path: str) -> bool:

@@ -18,7 +18,6 @@ anything::
     True
 """
 
-import errno
 import json
 import math
 import os
@@ -27,7 +26,8 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from mpistrat.checkpoint.files import create_exclusive, random_temp, same_file
+from mpistrat.checkpoint.files import random_temp
+from mpistrat.io.safe_files import replace_atomically
 from mpistrat.errors import DataLossError
 
 __all__ = ["CheckpointState", "format_state", "parse_state", "read_state", "write_state",
@@ -132,25 +132,9 @@ def read_state(directory: str) -> Optional[CheckpointState]:
 def write_state(directory: str, state: CheckpointState) -> None:
     """Replace the state file atomically (nothing is left behind if it fails)."""
     path = os.path.join(directory, STATE_FILE)
-    tmp = random_temp(directory, STATE_FILE)
-    fd = create_exclusive(tmp)  # never follows a planted name
-    ours = True
-    try:
-        with open(fd, "w", encoding="utf-8") as handle:
-            handle.write(format_state(state))
-            handle.flush()
-            os.fsync(handle.fileno())
-            ours = same_file(handle.fileno(), tmp)
-            if not ours:
-                raise OSError(errno.EEXIST, f"{tmp} was replaced while it was written")
-            os.replace(tmp, path)
-    except BaseException:
-        if ours:  # never delete what someone else put under the name
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
-        raise
+    text = format_state(state).encode("utf-8")
+    replace_atomically(path, lambda handle: handle.write(text),
+                       random_temp(directory, STATE_FILE))  # never follows a planted name
     fd = os.open(directory or ".", os.O_RDONLY)
     try:
         os.fsync(fd)

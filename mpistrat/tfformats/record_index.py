@@ -26,11 +26,13 @@ there (``HASH-NAME.mpistrat-index``, the hash of the data file's absolute path):
 
 import hashlib
 import os
+import secrets
 import struct
 from typing import Optional
 
 import numpy as np
 
+from mpistrat.io.safe_files import replace_atomically
 from mpistrat.tfformats.crc import crc32c
 
 __all__ = ["index_path", "load_index", "save_index", "fingerprint"]
@@ -100,17 +102,12 @@ def save_index(path: str, compression: Optional[str], index_dir: Optional[str],
     head = _MAGIC + _FIELDS.pack(_VERSION, size, mtime, _CODES[compression], len(offsets) - 1,
                                  0)  # the last field is reserved
     body = np.asarray(offsets, dtype="<i8").tobytes()
-    tmp = f"{cache}.tmp-{os.getpid()}"
+    data = head + body + struct.pack("<I", crc32c(head + body))
     try:
         if index_dir is not None:
             os.makedirs(index_dir, exist_ok=True)
-        with open(tmp, "wb") as handle:
-            handle.write(head + body + struct.pack("<I", crc32c(head + body)))
-        os.replace(tmp, cache)
+        replace_atomically(cache, lambda handle: handle.write(data),
+                           f"{cache}.tmp-{secrets.token_hex(16)}")  # O_EXCL|O_NOFOLLOW
         return True
     except OSError:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
         return False

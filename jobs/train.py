@@ -346,7 +346,9 @@ def main(argv=None) -> int:
                 stats = handler.run(one_step)
             except StopIteration:
                 break
-            history.add(local(stats), time.perf_counter() - start)
+            # the slowest rank's step time, the same on every rank: a checkpoint holds one value
+            seconds = float(strategy.reduce("MAX", time.perf_counter() - start, axis=None))
+            history.add(local(stats), seconds)
             bar.update(1)
             if args.checkpoint_every and handler.total_run_calls % args.checkpoint_every == 0:
                 manager.save()

@@ -16,8 +16,9 @@ summary() {  # the counts in pytest's closing line of log $1
     grep -aE "[0-9]+ (passed|failed|errors?|skipped).* in [0-9.]+s" "$1" | tail -n 1
 }
 
-# The main job and preemption tests launch whole training jobs: a stage of their own.
-JOB_TESTS="tests/launcher/test_train_job.py tests/launcher/test_train_deterministic.py tests/launcher/test_preemption.py tests/launcher/test_slurm_templates.py tests/launcher/test_examples.py"
+# The main job and preemption tests launch whole training jobs: a stage of their own (with
+# the checkpoint tests under signals and stopped ranks).
+JOB_TESTS="tests/launcher/test_train_job.py tests/launcher/test_train_deterministic.py tests/launcher/test_preemption.py tests/launcher/test_checkpoint_signals.py tests/launcher/test_slurm_templates.py tests/launcher/test_examples.py"
 
 echo "=== single-process tests (unit, launcher; then GPU tests, which skip without a GPU)"
 timeout --kill-after=15 1200 "$PY" -m pytest -q --color=no -p no:cacheprovider --durations=12 --timeout=300 --timeout-method=thread \

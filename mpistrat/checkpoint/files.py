@@ -2,7 +2,10 @@
 
 A checkpoint ``dir/ckpt-3`` is the file ``dir/ckpt-3.h5`` (plus, in part-file
 mode, ``dir/ckpt-3.part-R-of-N-TOKEN.h5``). While it is written it is
-``dir/.ckpt-3.h5.tmp-TOKEN``. Every file this library writes starts with a
+``dir/.ckpt-3.h5.tmp-TOKEN``. Each is created with ``O_CREAT|O_EXCL|O_NOFOLLOW``
+(``create_exclusive``) under a random name, and renamed into place only while it is
+still the file we created (``same_file``), so a planted file or symlink never makes
+us write anywhere else. Every file this library writes starts with a
 512-byte HDF5 user block holding :data:`MARKER`; clean-up deletes only files
 whose name follows one of our patterns *and* that start with the marker, so
 other programs' files in the same directory are never touched.
@@ -17,21 +20,28 @@ other programs' files in the same directory are never touched.
 import glob
 import os
 import re
+import secrets
 import warnings
 from typing import Iterable, List, Optional
 
-__all__ = ["data_file", "temp_name", "part_name", "MARKER", "USERBLOCK", "write_marker",
-           "is_ours", "state_name", "local_view", "remove_checkpoint", "remove_leftovers",
+from mpistrat.io.safe_files import create_exclusive, same_file  # noqa: F401 - re-exported
+
+__all__ = ["data_file", "temp_name", "part_name", "MARKER", "USERBLOCK",
+           "create_exclusive", "random_temp", "same_file",
+           "is_ours", "state_name", "check_checkpoint_name", "local_view", "remove_checkpoint", "remove_leftovers",
            "missing_hint"]
 
 USERBLOCK = 512                              # bytes reserved at the start of each HDF5 file
 MARKER = b"mpistrat checkpoint file\n"       # the first bytes of every file we write
 TOKEN_HEX = 32                               # hex digits of the per-save random token
 
-_TEMP = re.compile(r"^\.(?P<final>[A-Za-z0-9_.\-]+)\.tmp-[0-9a-f]{%d}$" % TOKEN_HEX)
-_PART = re.compile(r"^(?P<stem>[A-Za-z0-9_.\-]+)\.part-(?P<rank>\d+)-of-(?P<size>\d+)"
-                   r"(?:-(?P<token>[0-9a-f]{%d}))?\.h5$" % TOKEN_HEX)
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+# A checkpoint name is one file name: any text without '/', NUL or control characters
+# (the state file is one name a line), not '.' or '..'.
+_NAME_TEXT = r"[^/\x00-\x1f\x7f]+"
+_TEMP = re.compile(r"^\.(?P<final>%s)\.tmp-[0-9a-f]{%d}$" % (_NAME_TEXT, TOKEN_HEX))
+_PART = re.compile(r"^(?P<stem>%s)\.part-(?P<rank>\d+)-of-(?P<size>\d+)"
+                   r"(?:-(?P<token>[0-9a-f]{%d}))?\.h5$" % (_NAME_TEXT, TOKEN_HEX))
+_NAME = re.compile(r"^%s$" % _NAME_TEXT)
 
 
 def data_file(prefix: str) -> str:
@@ -57,13 +67,9 @@ def part_match(name: str, stem: str) -> Optional[re.Match]:
     return match if match and match["stem"] == stem else None
 
 
-def write_marker(path: str) -> None:
-    """Write :data:`MARKER` into the user block of a file just created by h5py."""
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.pwrite(fd, MARKER, 0)
-    finally:
-        os.close(fd)
+def random_temp(directory: str, base: str) -> str:
+    """A fresh temporary name ``directory/.BASE.tmp-RANDOM`` (never guessable)."""
+    return temp_name(os.path.join(directory, base), secrets.token_hex(TOKEN_HEX // 2))
 
 
 def is_ours(path: str) -> bool:
@@ -94,6 +100,24 @@ def state_name(directory: str, name: str) -> Optional[str]:
         name = base
     if not _NAME.match(name) or name in (".", ".."):
         return None
+    return name
+
+
+def check_checkpoint_name(name) -> str:
+    """A ``checkpoint_name`` whose checkpoints the state file can name again, else ``ValueError``.
+
+    One file name (``"ckpt"``, ``"model ckpt"``, ``"模型"``): no '/', NUL or control
+    characters, not starting with '.' (our temporary files do).
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"checkpoint_name must be a non-empty string, got {name!r}")
+    if "/" in name or os.sep in name:
+        raise ValueError(f"checkpoint_name {name!r} contains '/': the state file names "
+                         f"checkpoints inside the manager's directory only; put the "
+                         f"sub-directory in `directory` instead")
+    if name.startswith(".") or not _NAME.match(name) or state_name(".", name + "-1") is None:
+        raise ValueError(f"checkpoint_name {name!r} is not allowed: use one file name without "
+                         f"control characters, not starting with '.'")
     return name
 
 

@@ -18,7 +18,7 @@ import math
 import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import h5py
@@ -26,15 +26,20 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+from mpistrat.checkpoint.dtypes import DTYPE_ATTR, logical_dtype
 from mpistrat.checkpoint.files import part_match
 from mpistrat.checkpoint.graph import check_path
 from mpistrat.checkpoint.h5write import checksum
 from mpistrat.checkpoint.layout import read_runs, rows_of
+from mpistrat.checkpoint.openfile import OpenFile
 from mpistrat.checkpoint.validate import (MAX_PARTITIONS, check_checksums, check_dtype,
                                           check_extent, check_kind, check_partitions)
 from mpistrat.collectives import CollectiveEngine
+from mpistrat.collectives.deadline import wait_all
+from mpistrat.collectives.objects import allgather_object, deadline_of
 from mpistrat.errors import DataLossError, NotFoundError
 from mpistrat.runtime import get_world
+from mpistrat.runtime.faults import fault_point
 
 __all__ = ["Entry", "Reader", "read_catalog", "read_values", "read_entry", "SMALL_BYTES"]
 
@@ -53,8 +58,10 @@ class Entry:
     kind: str
     partitions: List[Tuple[int, int]]
     checksums: List[int]
-    pieces: List[Tuple[str, Optional[int]]]  # per partition: (file, byte offset); None: via h5py
+    pieces: List[Tuple[str, Optional[int]]]  # per partition: (file, byte offset); None: inline
     source: str = ""                          # the checkpoint file
+    files: Dict[str, OpenFile] = field(default_factory=dict, repr=False)  # path -> open file
+    inline: Optional[np.ndarray] = field(default=None, repr=False)  # tiny compact values
 
     @property
     def nbytes(self) -> int:
@@ -83,15 +90,18 @@ def read_catalog(final: str, engine: CollectiveEngine) -> Dict[str, Entry]:
 
 
 def _catalog(final: str) -> Dict[str, Entry]:
-    size = os.path.getsize(final)
+    """Each file is opened once: h5py reads its catalog, and later its data are read,
+    through that one descriptor (``openfile.py``)."""
+    files = {final: OpenFile(final)}
     parts: Dict[str, h5py.File] = {}
     try:
-        with h5py.File(final, "r") as f:
+        with files[final].h5() as f:
             version = _scalar_attr(f, "mpistrat_format_version", final)
             if version not in _VERSIONS:
                 raise DataLossError(f"{final} is not an mpistrat checkpoint (format version "
                                     f"{version!r}; this version reads {_VERSIONS})")
-            return {name: _entry(final, size, f[name], name, parts) for name in _dataset_paths(f)}
+            return {name: _entry(final, files, f[name], name, parts)
+                    for name in _dataset_paths(f, final)}
     finally:
         for handle in parts.values():
             handle.close()
@@ -118,22 +128,24 @@ def _array_attr(obj, name: str, where: str, ndim: int) -> np.ndarray:
     return value.reshape((-1, 2) if ndim == 2 else (-1,))
 
 
-def _dataset_paths(f: h5py.File) -> List[str]:
+def _dataset_paths(f: h5py.File, final: str) -> List[str]:
     names: List[str] = []
     f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
     for name in names:
         try:
             check_path(name)
         except ValueError as err:
-            raise DataLossError(f"{f.filename}: dataset {name!r}: {err}") from None
+            raise DataLossError(f"{final}: dataset {name!r}: {err}") from None
     return sorted(names)
 
 
-def _entry(final: str, size: int, dset: h5py.Dataset, name: str, parts) -> Entry:
+def _entry(final: str, files: Dict[str, OpenFile], dset: h5py.Dataset, name: str,
+           parts) -> Entry:
     where = f"{final}, object {name!r}"
     if dset.shape is None:
         raise DataLossError(f"{where}: a dataset without a shape")
-    dtype = check_dtype(dset.dtype, where)
+    dtype = logical_dtype(check_dtype(dset.dtype, where),
+                          dset.attrs[DTYPE_ATTR] if DTYPE_ATTR in dset.attrs else None, where)
     shape = tuple(int(d) for d in dset.shape)
     kind_attr = _scalar_attr(dset, "mpistrat_kind", where)
     kind = check_kind(kind_attr.decode() if isinstance(kind_attr, bytes) else kind_attr,
@@ -142,7 +154,7 @@ def _entry(final: str, size: int, dset: h5py.Dataset, name: str, parts) -> Entry
                                   rows_of(shape), where)
     sums = check_checksums(_array_attr(dset, "mpistrat_checksums", where, 1).tolist(),
                            len(partitions), where)
-    entry = Entry(name, shape, dtype, kind, partitions, sums, [], final)
+    entry = Entry(name, shape, dtype, kind, partitions, sums, [], final, files)
     dcpl = dset.id.get_create_plist()
     layout = dcpl.get_layout()
     if layout == h5py.h5d.VIRTUAL:
@@ -150,10 +162,11 @@ def _entry(final: str, size: int, dset: h5py.Dataset, name: str, parts) -> Entry
         return entry
     _check_plain_storage(dcpl, where)
     if layout == h5py.h5d.COMPACT and entry.nbytes <= _COMPACT_MAX:
+        entry.inline = np.asarray(dset[()]).view(dtype).reshape(shape)  # raw bits: same width
         entry.pieces = [(final, None)] * len(partitions)
     elif layout == h5py.h5d.CONTIGUOUS:
         offset = dset.id.get_offset() if entry.nbytes else 0
-        check_extent(offset, entry.nbytes, size, where)
+        check_extent(offset, entry.nbytes, files[final].size, where)
         entry.pieces = [(final, offset + a * entry.row_bytes) for a, _ in partitions]
     else:
         raise DataLossError(f"{where}: chunked or compressed storage is not allowed in a "
@@ -192,23 +205,24 @@ def _virtual_pieces(final: str, dset, entry: Entry, parts) -> List[Tuple[str, in
         if handle is None:
             if not os.path.isfile(path):
                 raise NotFoundError(f"part file {path} of checkpoint {final} is missing")
-            handle = parts[path] = h5py.File(path, "r")
+            entry.files[path] = OpenFile(path)
+            handle = parts[path] = entry.files[path].h5()
         name = f"{entry.path}/part-{k}"
         part_where = f"{path}, object {name!r}"
         if name not in handle or not isinstance(handle[name], h5py.Dataset):
             raise DataLossError(f"{part_where}: missing from the part file")
         part = handle[name]
         want = (b - a,) + entry.shape[1:]
-        if part.dtype != entry.dtype or tuple(part.shape or ()) != want:
+        if part.dtype != dset.dtype or tuple(part.shape or ()) != want:
             raise DataLossError(f"{part_where}: holds {part.dtype}{list(part.shape or ())}, "
-                                f"the master maps {entry.dtype}{list(want)}")
+                                f"the master maps {dset.dtype}{list(want)}")
         dcpl = part.id.get_create_plist()
         _check_plain_storage(dcpl, part_where)
         if dcpl.get_layout() != h5py.h5d.CONTIGUOUS:
             raise DataLossError(f"{part_where}: contiguous storage expected")
         nbytes = (b - a) * entry.row_bytes
         offset = part.id.get_offset() if nbytes else 0
-        check_extent(offset, nbytes, os.path.getsize(path), part_where)
+        check_extent(offset, nbytes, entry.files[path].size, part_where)
         pieces.append((path, offset))
     return pieces
 
@@ -217,20 +231,22 @@ def _virtual_pieces(final: str, dset, entry: Entry, parts) -> List[Tuple[str, in
 class Reader:
     """Open files and the checksum threads of one restore; asks the kernel to read ahead.
 
-    Use as a context manager around every ``read_values`` of one restore.
+    Use as a context manager around every ``read_values`` of one restore. The files
+    stay open as long as the catalog's entries (``openfile.py``).
     """
 
     def __init__(self, catalog: Dict[str, Entry], engine: CollectiveEngine):
         self.catalog, self.engine = catalog, engine
         self.pool = ThreadPoolExecutor(max_workers=2)  # zlib releases the GIL
-        self._fds: Dict[str, int] = {}
         # Reading is shared among nodes, not ranks: the ranks of a node share its page cache,
         # so each reads its node's run (one read from the file system per node); the first
         # rank of each node then broadcasts that run to the other nodes.
         world = get_world()
         self.node, self.nodes = world.node_index, world.num_nodes
         self.local_rank, self.local_size = world.local_rank, world.local_size
-        leaders = engine.comm.allgather(self.node if world.local_rank == 0 else None)
+        fault_point("checkpoint-before-reading")
+        leaders = allgather_object(engine, self.node if world.local_rank == 0 else None,
+                                   "restoring a checkpoint: the node leaders")
         self.roots = [leaders.index(n) for n in range(self.nodes)] if engine.size > 1 else [0]
 
     def __enter__(self) -> "Reader":
@@ -241,13 +257,11 @@ class Reader:
                 file, offset = entry.pieces[k]
                 if offset is not None and file:
                     a, b = entry.partitions[k]
-                    self._advise(file, offset, (b - a) * entry.row_bytes)
+                    self._advise(entry.files[file].fd, offset, (b - a) * entry.row_bytes)
         return self
 
     def __exit__(self, *exc) -> None:
         self.pool.shutdown(wait=True)
-        for fd in self._fds.values():
-            os.close(fd)
 
     def split(self, entry: Entry) -> bool:
         """Whether the nodes share the reading of ``entry`` (the same answer on every rank)."""
@@ -265,30 +279,24 @@ class Reader:
         same bytes from one page cache, so they share the checking (one check per node)."""
         return k % self.local_size == self.local_rank
 
-    def fd(self, path: str) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
-        return fd
-
-    def _advise(self, path: str, offset: int, nbytes: int) -> None:
+    @staticmethod
+    def _advise(fd: int, offset: int, nbytes: int) -> None:
         if nbytes and hasattr(os, "posix_fadvise"):
             try:
-                os.posix_fadvise(self.fd(path), offset, nbytes, os.POSIX_FADV_SEQUENTIAL)
+                os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_SEQUENTIAL)
             except OSError:
                 pass  # advice only
 
     def read_into(self, path: str, offset: Optional[int], dest: np.ndarray, entry: Entry,
                   k: int) -> None:
         """Fill ``dest`` (partition ``k``'s rows) from its file; a short read is data loss."""
-        if offset is None:  # compact storage: tiny, through h5py
-            with h5py.File(path, "r") as f:
-                a, b = entry.partitions[k]
-                data = f[entry.path][()]
-                dest[...] = data.reshape(1)[a:b] if data.ndim == 0 else data[a:b]
+        if offset is None:  # compact storage: tiny, read with the catalog
+            a, b = entry.partitions[k]
+            data = entry.inline
+            dest[...] = data.reshape(1)[a:b] if data.ndim == 0 else data[a:b]
             return
         view = memoryview(dest.reshape(-1).view(np.uint8))
-        fd, position = self.fd(path), offset
+        fd, position = entry.files[path].fd, offset
         while len(view):
             got = os.preadv(fd, [view], position)
             if got <= 0:
@@ -343,7 +351,6 @@ class _LocalReader(Reader):
 
     def __init__(self):
         self.pool = ThreadPoolExecutor(max_workers=1)
-        self._fds: Dict[str, int] = {}
         self.node, self.nodes, self.local_rank, self.local_size = 0, 1, 0, 1
 
     def __enter__(self) -> "_LocalReader":
@@ -379,6 +386,8 @@ def _all_gather_rows(dest: np.ndarray, entry: Entry, engine: CollectiveEngine,
             if b > a:
                 first, stop = entry.partitions[a][0], entry.partitions[b - 1][1]
                 block = flat[first * entry.row_bytes:stop * entry.row_bytes]
-                engine.comm.Bcast([block, stop - first, rowtype], root=reader.roots[node])
+                engine._guard(wait_all, [engine.comm.Ibcast([block, stop - first, rowtype],
+                                                            root=reader.roots[node])],
+                              deadline_of(engine), f"restoring {entry.source}: {entry.path!r}")
     finally:
         rowtype.Free()

@@ -4,8 +4,11 @@ Each step ends with the ranks agreeing on success (``agree.agree_errors``), so
 a full disk, a read-only directory or a file size limit on one rank ends in the
 same named error on every rank, and the previous checkpoint stays intact:
 
-1. Each rank computes the CRC-32 of the partitions it owns (no I/O yet); the
-   checksums are all-gathered. Rank 0 checks free space, every rank its file
+1. Values are checked: each dtype with the reader's own rules (``dtypes.py``:
+   raw-bit types get an ``mpistrat_dtype`` attribute, others a ``TypeError``
+   naming the path). Each rank computes the CRC-32 of every partition (no I/O
+   yet) and the ranks compare one digest of them (``consensus.py``): values
+   that differ between ranks are refused, naming them. Rank 0 checks free space, every rank its file
    size limit (``ulimit -f``): a checkpoint that cannot fit fails before a
    byte is written.
 2. HDF5 writes only the layout: rank 0 alone (serial h5py, no MPI driver)
@@ -35,10 +38,14 @@ import numpy as np
 
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.checkpoint import h5layout
-from mpistrat.checkpoint.files import (USERBLOCK, part_name, remove_checkpoint, temp_name,
-                                       write_marker)
+from mpistrat.checkpoint.consensus import agree_values, value_digest
+from mpistrat.checkpoint.dtypes import DTYPE_ATTR, to_stored
+from mpistrat.checkpoint.files import (MARKER, USERBLOCK, create_exclusive, part_name,
+                                       remove_checkpoint, same_file, temp_name)
 from mpistrat.checkpoint.layout import partition_owner, write_partitions
+from mpistrat.checkpoint.validate import check_dtype
 from mpistrat.collectives import CollectiveEngine
+from mpistrat.collectives.objects import broadcast_object
 from mpistrat.runtime.faults import fault_point
 from mpistrat.runtime import settings
 
@@ -103,6 +110,7 @@ class _Plan:
             (p, k) for i, p in enumerate(self.paths) for k in range(len(self.layouts[p]))
             if partition_owner(i, k, size) == rank]
         self.nbytes = sum(v.nbytes for v in values.values())
+        self.dtype_names: Dict[str, str] = {}  # path -> mpistrat_dtype, for raw-bit values
 
     def block(self, path: str, part: int) -> np.ndarray:
         a, b = self.layouts[path][part]
@@ -111,22 +119,53 @@ class _Plan:
 
 def write_file(final: str, values: Dict[str, np.ndarray], kinds: Dict[str, str],
                engine: CollectiveEngine, mode: Optional[str] = None) -> None:
-    """Write ``values`` (the same on every rank) to ``final``, atomically. Collective."""
+    """Write ``values`` (the same on every rank) to ``final``, atomically. Collective.
+
+    Refused on every rank before a byte is written: a dtype that could not be restored
+    (``TypeError`` naming the object path, ``dtypes.py``) and values that differ between
+    ranks (``ValueError`` naming the values and ranks, ``consensus.py``).
+    """
     rank, size = engine.rank, engine.size
     mode = mode or checkpoint_mode()
     directory = os.path.dirname(final) or "."
-    token = engine.broadcast_object(uuid.uuid4().hex if rank == 0 else None)
-    plan = _Plan(values, rank, size)
-    mine = dict(zip(plan.owned, _parallel_checksums([plan.block(*pk) for pk in plan.owned])))
-    checksums: Dict[Tuple[str, int], int] = {}
-    for part in engine.comm.allgather(mine):  # small: one CRC per partition
-        checksums.update(part)
     what = f"saving checkpoint {final}"
+    token = broadcast_object(engine, uuid.uuid4().hex if rank == 0 else None, 0,
+                             f"{what}: the save token")
+    failure, stored = _attempt(rank, "checking dtypes", lambda: _stored(values))
+    agree_errors(engine, failure, what)
+    plan = _Plan({p: v for p, (v, _) in stored.items()}, rank, size)
+    plan.dtype_names = {p: name for p, (_, name) in stored.items() if name is not None}
+    every = [(p, k) for p in plan.paths for k in range(len(plan.layouts[p]))]
+    fault_point("checkpoint-before-checksums")
+    checksums = dict(zip(every, _parallel_checksums([plan.block(*pk) for pk in every])))
+    agree_values(engine, _value_table(plan, kinds, checksums), what)
     agree_errors(engine, _preflight(directory, plan, rank), what)
     if mode == "parts":
         _write_parts(final, plan, kinds, checksums, token, engine, what)
     else:
         _write_shared(final, plan, kinds, checksums, token, engine, what)
+
+
+def _stored(values: Dict[str, np.ndarray]) -> Dict[str, Tuple[np.ndarray, Optional[str]]]:
+    """Each value as it is written, with its ``mpistrat_dtype`` name (``TypeError`` if none)."""
+    stored = {}
+    for path in sorted(values):
+        value, name = to_stored(np.asarray(values[path]), path)
+        check_dtype(value.dtype, f"object {path!r}", error=TypeError)  # the reader's own rule
+        stored[path] = (value, name)
+    return stored
+
+
+def _value_table(plan: "_Plan", kinds, checksums) -> Dict[str, Tuple[str, str]]:
+    """path -> (dtype and shape, digest of everything this rank would save for it)."""
+    table = {}
+    for p in plan.paths:
+        value = plan.values[p]
+        dtype = plan.dtype_names.get(p, value.dtype.str)
+        crcs = [checksums[(p, k)] for k in range(len(plan.layouts[p]))]
+        table[p] = (f"{dtype}{list(value.shape)}",
+                    value_digest(dtype, value.shape, kinds[p], crcs))
+    return table
 
 
 def _preflight(directory: str, plan: _Plan, rank: int) -> Optional[Failure]:
@@ -166,9 +205,10 @@ def _attr_spec(value):
     return [value, None]
 
 
-def _create_layout(path: str, entries, root_attrs: Dict, sources=None) -> Dict[str, int]:
-    """Create ``path`` with its datasets laid out (in the HDF5 layout process); return each
-    dataset's byte offset. ``sources[name]`` makes ``name`` a virtual dataset over part files."""
+def _create_layout(path: str, entries, root_attrs: Dict, sources=None) -> Tuple[Dict[str, int], int]:
+    """Create ``path`` (``O_EXCL|O_NOFOLLOW``) with its datasets laid out (in the HDF5 layout
+    process); return each dataset's byte offset and the open descriptor (the caller closes
+    it). ``sources[name]`` makes ``name`` a virtual dataset over part files."""
     datasets = []
     for name, value, attrs in entries:
         item = {"name": name, "shape": list(value.shape), "dtype": value.dtype.str,
@@ -178,15 +218,24 @@ def _create_layout(path: str, entries, root_attrs: Dict, sources=None) -> Dict[s
         elif sources and name in sources:
             item["sources"] = sources[name]
         datasets.append(item)
-    offsets = h5layout.create({"path": path, "userblock": USERBLOCK, "datasets": datasets,
-                               "attrs": {k: _attr_spec(v) for k, v in root_attrs.items()}})
-    write_marker(path)
-    return offsets
+    fd = create_exclusive(path)
+    try:
+        offsets = h5layout.create({"path": path, "userblock": USERBLOCK, "marker": MARKER.hex(),
+                                   "datasets": datasets,
+                                   "attrs": {k: _attr_spec(v) for k, v in root_attrs.items()}},
+                                  fd)
+    except BaseException:
+        if same_file(fd, path):  # ours: a failed layout leaves nothing behind
+            _discard(path)
+        os.close(fd)
+        raise
+    return offsets, fd
 
 
 def _write_blocks(path: str, blocks) -> None:
     """Positional writes of ``(offset, block)`` into an existing file, then ``fsync``."""
-    fd = os.open(path, os.O_WRONLY)  # never created here: the file is the one rank 0 laid out
+    # never created here: the file is the one rank 0 laid out (a symlink there is refused)
+    fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
         for offset, block in blocks:
             view = memoryview(np.ascontiguousarray(block).reshape(-1).view(np.uint8))
@@ -203,10 +252,13 @@ def _write_blocks(path: str, blocks) -> None:
 
 def _attrs(plan: _Plan, kinds, checksums, path: str) -> Dict:
     parts = plan.layouts[path]
-    return {"mpistrat_kind": kinds[path],
-            "mpistrat_partitions": np.array(parts, dtype=np.int64),
-            "mpistrat_checksums": np.array([checksums[(path, k)] for k in range(len(parts))],
-                                           dtype=np.uint32)}
+    attrs = {"mpistrat_kind": kinds[path],
+             "mpistrat_partitions": np.array(parts, dtype=np.int64),
+             "mpistrat_checksums": np.array([checksums[(path, k)] for k in range(len(parts))],
+                                            dtype=np.uint32)}
+    if path in plan.dtype_names:
+        attrs[DTYPE_ATTR] = plan.dtype_names[path]
+    return attrs
 
 
 def _root_attrs(size: int, token: str) -> Dict:
@@ -232,14 +284,17 @@ def _discard(*paths: str) -> None:
 def _write_shared(final, plan, kinds, checksums, token, engine, what) -> None:
     rank, size = engine.rank, engine.size
     tmp = temp_name(final, token)
+    created = None  # rank 0: the descriptor of the file it created
     try:
         failure, offsets = (None, None)
         if rank == 0:
             entries = [(p, plan.values[p], _attrs(plan, kinds, checksums, p)) for p in plan.paths]
-            failure, offsets = _attempt(rank, f"laying out {tmp}", lambda: _create_layout(
+            failure, laid = _attempt(rank, f"laying out {tmp}", lambda: _create_layout(
                 tmp, entries, _root_attrs(size, token)))
+            if laid is not None:
+                offsets, created = laid
         agree_errors(engine, failure, what)
-        offsets = engine.broadcast_object(offsets)
+        offsets = broadcast_object(engine, offsets, 0, f"{what}: the layout")
         agree_view(engine, "file" if os.path.isfile(tmp) else "nothing", f"{tmp} (written by rank 0)")
         blocks = [(offsets[p] + plan.layouts[p][k][0] * _row_bytes(plan.values[p]), plan.block(p, k))
                   for p, k in plan.owned if p in offsets]
@@ -247,21 +302,27 @@ def _write_shared(final, plan, kinds, checksums, token, engine, what) -> None:
         agree_errors(engine, failure, what)
         failure = None
         if rank == 0:
-            failure, _ = _attempt(rank, f"committing {final}", lambda: _commit(tmp, final))
+            failure, _ = _attempt(rank, f"committing {final}", lambda: _commit(tmp, final, created))
         agree_errors(engine, failure, what)
     except BaseException:
-        if rank == 0:
+        if created is not None and same_file(created, tmp):
             _discard(tmp)
         raise
+    finally:
+        if created is not None:
+            os.close(created)
 
 
 def _row_bytes(value: np.ndarray) -> int:
     return value.dtype.itemsize * int(np.prod(value.shape[1:], dtype=np.int64))
 
 
-def _commit(tmp: str, final: str) -> None:
+def _commit(tmp: str, final: str, fd: int) -> None:
+    """Rename ``tmp`` (open as ``fd``, created by us) over ``final``, durably."""
     fault_point("checkpoint-before-commit")
-    _fsync(tmp)
+    os.fsync(fd)
+    if not same_file(fd, tmp):
+        raise OSError(17, f"{tmp} is no longer the file this save created (replaced meanwhile)")
     os.replace(tmp, final)
     fsync_dir(os.path.dirname(final))
 
@@ -274,19 +335,21 @@ def _write_parts(final, plan, kinds, checksums, token, engine, what) -> None:
 
     def write_part():
         entries = [(f"{p}/part-{k}", plan.block(p, k), {}) for p, k in plan.owned]
-        offsets = _create_layout(tmp, entries, _root_attrs(size, token))
-        _write_blocks(tmp, [(offsets[name], block) for name, block, _ in entries
-                            if name in offsets])
-        _commit(tmp, mine)
+        offsets, fd = _create_layout(tmp, entries, _root_attrs(size, token))
+        try:
+            _write_blocks(tmp, [(offsets[name], block) for name, block, _ in entries
+                                if name in offsets])
+            _commit(tmp, mine, fd)
+        finally:
+            os.close(fd)
 
     try:
         failure, _ = _attempt(rank, f"writing {tmp}", write_part)
         agree_errors(engine, failure, what)
         failure = None
         if rank == 0:
-            failure, _ = _attempt(rank, f"writing the master {master_tmp}", lambda: (
-                _write_master(master_tmp, plan, kinds, checksums, parts, token, size),
-                _commit(master_tmp, final)))
+            failure, _ = _attempt(rank, f"writing the master {master_tmp}", lambda: _write_master(
+                master_tmp, final, plan, kinds, checksums, parts, token, size))
         agree_errors(engine, failure, what)
     except BaseException:
         _discard(tmp, mine, *([master_tmp] if rank == 0 else []))
@@ -295,7 +358,7 @@ def _write_parts(final, plan, kinds, checksums, token, engine, what) -> None:
         remove_checkpoint(final, keep_token=token)
 
 
-def _write_master(tmp, plan, kinds, checksums, parts, token, size) -> None:
+def _write_master(tmp, final, plan, kinds, checksums, parts, token, size) -> None:
     names = [os.path.basename(p) for p in parts]
     entries, sources = [], {}
     for index, p in enumerate(plan.paths):
@@ -304,4 +367,8 @@ def _write_master(tmp, plan, kinds, checksums, parts, token, size) -> None:
         if value.ndim:  # a scalar is stored in the master itself
             sources[p] = [[a, b, names[partition_owner(index, part, size)], f"{p}/part-{part}"]
                           for part, (a, b) in enumerate(plan.layouts[p])]
-    _create_layout(tmp, entries, _root_attrs(size, token), sources)
+    _, fd = _create_layout(tmp, entries, _root_attrs(size, token), sources)
+    try:
+        _commit(tmp, final, fd)
+    finally:
+        os.close(fd)

@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from mpistrat.checkpoint import writer
 from mpistrat.checkpoint.checkpoint import Checkpoint, CheckpointOptions
 from mpistrat.checkpoint.directory import agreed_state, io_engine
-from mpistrat.checkpoint.files import remove_checkpoint
+from mpistrat.checkpoint.files import check_checkpoint_name, remove_checkpoint
 from mpistrat.checkpoint.state_file import CheckpointState, write_state
 
 __all__ = ["CheckpointManager"]
@@ -27,7 +27,9 @@ class CheckpointManager:
 
     ``keep_checkpoint_every_n_hours`` preserves one checkpoint per period from
     deletion; ``step_counter`` with ``checkpoint_interval`` makes ``save`` skip
-    until that many steps have passed. The list is reloaded from the state
+    until that many steps have passed. ``checkpoint_name`` is one file name
+    (``"model ckpt"`` and ``"模型"`` are fine; ``"best/ckpt"`` is a ``ValueError``:
+    put sub-directories in ``directory``). The list is reloaded from the state
     file when the manager is made (collectively: ranks that see different
     directories raise together). Only names inside the directory are trusted,
     and only files this library wrote are ever deleted. A failed save changes
@@ -42,6 +44,7 @@ class CheckpointManager:
             raise ValueError("checkpoint_interval needs a step_counter")
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be at least 1 or None, got {max_to_keep}")
+        check_checkpoint_name(checkpoint_name)
         self._checkpoint = checkpoint
         self._directory = os.fspath(directory)
         self._max_to_keep = max_to_keep

@@ -8,7 +8,8 @@
     last_preserved_timestamp: 1764499000.0
 
 Paths are relative to the directory. It is written atomically (temporary
-file, fsync, rename, fsync of the directory) and parsed without evaluating
+file of a random name created with ``O_EXCL|O_NOFOLLOW``, fsync, rename, fsync of the
+directory) and parsed without evaluating
 anything::
 
     >>> from mpistrat.checkpoint.state_file import CheckpointState, format_state, parse_state
@@ -25,6 +26,8 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from mpistrat.checkpoint.files import random_temp
+from mpistrat.io.safe_files import replace_atomically
 from mpistrat.errors import DataLossError
 
 __all__ = ["CheckpointState", "format_state", "parse_state", "read_state", "write_state",
@@ -129,19 +132,9 @@ def read_state(directory: str) -> Optional[CheckpointState]:
 def write_state(directory: str, state: CheckpointState) -> None:
     """Replace the state file atomically (nothing is left behind if it fails)."""
     path = os.path.join(directory, STATE_FILE)
-    tmp = os.path.join(directory, f".{STATE_FILE}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(format_state(state))
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
+    text = format_state(state).encode("utf-8")
+    replace_atomically(path, lambda handle: handle.write(text),
+                       random_temp(directory, STATE_FILE))  # never follows a planted name
     fd = os.open(directory or ".", os.O_RDONLY)
     try:
         os.fsync(fd)

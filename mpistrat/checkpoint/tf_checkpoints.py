@@ -36,6 +36,8 @@ from mpistrat.checkpoint.files import state_name
 from mpistrat.checkpoint.graph import collect_slots
 from mpistrat.checkpoint.state_file import read_state
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+from mpistrat.collectives.deadline import wait_all
+from mpistrat.collectives.objects import deadline_of
 from mpistrat.errors import DataLossError, NotFoundError
 from mpistrat.runtime import timeline
 from mpistrat.tfformats.bundle import (STRING, BundleEntry, BundleIndex, decode_value,
@@ -166,8 +168,9 @@ def read_collective(entries: Dict[str, BundleEntry], engine):
             values = {}
             for path, reader in zip(batch, readers):
                 raw = raws.pop(path)
-                for lo in range(0, raw.size, _CHUNK):
-                    engine.comm.Bcast(raw[lo:lo + _CHUNK], root=reader)
+                for lo in range(0, raw.size, _CHUNK):  # timed: a stalled rank is named
+                    engine._guard(wait_all, [engine.comm.Ibcast(raw[lo:lo + _CHUNK], root=reader)],
+                                  deadline_of(engine), f"restoring a TensorFlow checkpoint: {path}")
                 values[path] = decode_value(entries[path], raw)
             yield values
     finally:

@@ -1,7 +1,7 @@
 """What a checkpoint file must say about each value before anything is read. Pure functions.
 
 A file is checked against itself before a byte of data is allocated: the
-dtype is a plain numeric or bool type in little-endian order, the kind is one
+dtype is a plain numeric or bool type (raw bits for the others, ``dtypes.py``), the kind is one
 we write, the partitions tile ``[0, rows)`` exactly, there is one checksum
 per partition, and the bytes claimed lie inside the file. Each function raises
 ``DataLossError`` naming the file and the object path::
@@ -19,6 +19,7 @@ from typing import Sequence, Tuple
 
 import numpy as np
 
+from mpistrat.checkpoint.dtypes import check_plain
 from mpistrat.errors import DataLossError
 
 __all__ = ["KINDS", "check_dtype", "check_kind", "check_partitions", "check_checksums",
@@ -26,16 +27,16 @@ __all__ = ["KINDS", "check_dtype", "check_kind", "check_partitions", "check_chec
 
 KINDS = ("variable", "array", "int", "float", "bool", "state")
 MAX_PARTITIONS = 1 << 20
-_NUMERIC = set("biufc")
 
 
-def check_dtype(dtype: np.dtype, where: str) -> np.dtype:
-    """A plain numeric or bool dtype in native little-endian order, else ``DataLossError``."""
+def check_dtype(dtype: np.dtype, where: str, error=DataLossError) -> np.dtype:
+    """A plain NumPy bool, integer, float or complex dtype (either byte order), as stored in
+    the file, else ``error`` (``DataLossError`` when reading; the writer passes ``TypeError``).
+    Other types are stored as raw bits under these rules (``dtypes.py``)."""
     dtype = np.dtype(dtype)
-    if dtype.kind not in _NUMERIC or dtype.fields is not None or dtype.subdtype is not None \
-            or dtype.hasobject or dtype.byteorder == ">" or dtype.itemsize == 0:
-        raise DataLossError(f"{where}: dtype {dtype} is not allowed in a checkpoint "
-                            f"(plain numeric and bool types only)")
+    if not check_plain(dtype) or dtype.hasobject or dtype.itemsize == 0:
+        raise error(f"{where}: dtype {dtype.str} is not allowed in a checkpoint "
+                    f"(plain numeric and bool types only)")
     return dtype
 
 

@@ -20,6 +20,7 @@ from typing import Any, List, Optional, Sequence, Type
 import numpy as np
 
 from mpistrat.collectives.engine import CollectiveEngine
+from mpistrat.collectives.objects import allgather_object
 from mpistrat.errors import DataLossError, NotFoundError
 
 __all__ = ["Failure", "agree_errors", "agree_view", "describe_views", "rank_list"]
@@ -75,7 +76,8 @@ def agree_errors(engine: CollectiveEngine, failure: Optional[Failure], what: str
     """
     if not _anyone(engine, failure is not None):
         return
-    failures: List[Failure] = [f for f in engine.comm.allgather(failure) if f is not None]
+    failures: List[Failure] = [f for f in allgather_object(engine, failure, what)
+                               if f is not None]
     first = failures[0]
     text = f"{what} failed: " + "; ".join(f.text for f in failures) + (f"; {hint}" if hint else "")
     if first.kind in _CLASSES:
@@ -112,7 +114,7 @@ def agree_view(engine: CollectiveEngine, view: Any, what: str, error=NotFoundErr
     low_high = engine.all_reduce(np.array([digest, -digest], dtype=np.int64), "MAX")
     if low_high[0] == -low_high[1]:  # max == min: every rank saw the same
         return view
-    views = engine.comm.allgather(view)
+    views = allgather_object(engine, view, what)
     if any(v != views[0] for v in views[1:]):
         raise error(f"ranks see different things at {what}: {describe_views(views)}; {hint}")
     return views[0]

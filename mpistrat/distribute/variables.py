@@ -230,13 +230,24 @@ class Variable(NDArrayOperatorsMixin):
             if what != "assign":
                 raise ValueError(f"{what} on ON_READ variable {self.name!r} with aggregation SUM "
                                  f"is not supported in cross-replica context; use assign")
-            return value / self._strategy.num_replicas_in_sync  # so that the SUM reads back
+            return self._share_of_sum(value)  # so that the SUM reads back
         if not in_replica or self.aggregation is VariableAggregation.NONE:
             return value  # cross-replica writes apply the same value on every rank
         if self.aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
             return self._engine.broadcast(value, root=0)
         self._refuse_integer_mean(what)
         return self._engine.all_reduce(value, _REDUCE[self.aggregation])
+
+    def _share_of_sum(self, total) -> np.ndarray:
+        """This replica's share of ``total`` for an ON_READ SUM variable: the shares sum back
+        to ``total`` exactly. Integers split exactly (the first ``total mod n`` replicas hold
+        one more) with one replica a rank, floats as ``total / n``."""
+        total = np.asarray(_host(total))
+        engine, replicas = self._engine, self._strategy.num_replicas_in_sync
+        if np.dtype(self.dtype).kind not in "iu" or replicas != engine.size:
+            return total / replicas  # (several replicas a rank share one value: TPUVariable)
+        quotient, remainder = np.divmod(total.astype(self.dtype), engine.size)
+        return quotient + (engine.rank < remainder)
 
     # -- checkpoints -------------------------------------------------------------
     def _checkpoint_read(self) -> np.ndarray:
@@ -256,7 +267,7 @@ class Variable(NDArrayOperatorsMixin):
         value = np.asarray(value)
         if (self._strategy is not None and self.synchronization is VariableSynchronization.ON_READ
                 and self.aggregation is VariableAggregation.SUM):
-            value = value / self._strategy.num_replicas_in_sync  # so that the SUM reads back
+            value = self._share_of_sum(value)  # so that the SUM reads back
         self._value = self._xp.asarray(np.asarray(value, dtype=self.dtype))  # fresh arrays
 
     # -- display -----------------------------------------------------------------

@@ -1,9 +1,10 @@
 """Fault injection for tests: kill this rank at a named point, never by accident.
 
-Only when the environment held ``MPISTRAT_TEST_FAULT=POINT:RANK:N`` at import
-does ``fault_point(POINT)`` do anything: the N-th time rank RANK of the world
-passes POINT, it kills itself with SIGKILL (a real crash, for tests of torn
-saves). Otherwise ``fault_point`` is a function that returns at once.
+Only when the environment held ``MPISTRAT_TEST_FAULT=POINT:RANK:N[:KILL|STOP]``
+at import does ``fault_point(POINT)`` do anything: the N-th time rank RANK of the
+world passes POINT, it kills itself with SIGKILL (a real crash, for tests of torn
+saves) or, with ``STOP``, stops itself with SIGSTOP (a rank that stopped
+answering, for tests of timeouts). Otherwise ``fault_point`` is a function that returns at once.
 
     >>> from mpistrat.runtime.faults import fault_point
     >>> fault_point("checkpoint-partition-written")   # no fault armed: nothing happens
@@ -21,7 +22,7 @@ _HITS: dict = {}
 
 
 def _armed(name: str) -> None:
-    point, rank, count = _SPEC
+    point, rank, count, how = _SPEC
     if name != point:
         return
     from mpi4py import MPI
@@ -29,7 +30,7 @@ def _armed(name: str) -> None:
         return
     _HITS[name] = _HITS.get(name, 0) + 1
     if _HITS[name] == count:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if how == "STOP" else signal.SIGKILL)
 
 
 def _disarmed(name: str) -> None:

@@ -138,10 +138,12 @@ def _host_port(text: str) -> str:
 
 
 def _fault(text: str) -> tuple:
-    point, rank, count = text.strip().rsplit(":", 2)
+    parts = text.strip().split(":")
+    how = parts.pop().upper() if parts[-1].upper() in ("KILL", "STOP") else "KILL"
+    point, rank, count = ":".join(parts[:-2]), parts[-2], parts[-1]
     if not point or int(rank) < 0 or int(count) < 1:
         raise ValueError(text)
-    return point, int(rank), int(count)
+    return point, int(rank), int(count), how
 
 
 # -- the registry ----------------------------------------------------------------------------
@@ -221,8 +223,9 @@ SETTINGS = (
             "JAX's coordinator address, in full"),
     Setting("MPISTRAT_JAX_INIT_TIMEOUT", parse_seconds, 120.0, _SECONDS + "; unset means 120",
             "seconds JAX's runtime may take to start on every host"),
-    Setting("MPISTRAT_TEST_FAULT", _fault, None, "POINT:RANK:N (RANK >= 0, N >= 1)",
-            "tests only: rank RANK kills itself with SIGKILL the N-th time it passes POINT"),
+    Setting("MPISTRAT_TEST_FAULT", _fault, None, "POINT:RANK:N[:KILL|STOP] (RANK >= 0, N >= 1)",
+            "tests only: rank RANK kills (SIGKILL, the default) or stops (SIGSTOP) itself the "
+            "N-th time it passes POINT"),
     Setting("MPISTRAT_TEST_ARRAYS", _choice("numpy", "jax", "cupy"), "numpy",
             "numpy, jax or cupy; unset means numpy",
             "tests/mpi builds its replica values, variables and expected results with this "

@@ -36,6 +36,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional
 from mpi4py import MPI
 
 from mpistrat.runtime import settings
+from mpistrat.io.safe_files import replace_atomically
 
 __all__ = ["Event", "ON", "PATH_ENV", "span", "record", "begin", "wait_ready", "end",
            "note_algorithm",
@@ -254,10 +255,8 @@ def flush(path: Optional[str] = None, comm: Optional[MPI.Comm] = None,
 def _write(path: str, trace: Dict[str, Any]) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "w") as handle:
-        json.dump(trace, handle)
-    os.replace(temporary, path)
+    text = json.dumps(trace).encode()
+    replace_atomically(path, lambda handle: handle.write(text))  # O_EXCL|O_NOFOLLOW, random
 
 
 def _flush_at_exit() -> None:

@@ -36,6 +36,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from mpistrat.errors import DataLossError, InvalidArgumentError, NotFoundError
+from mpistrat.io.safe_files import replace_atomically
 from mpistrat.tfformats import messages
 from mpistrat.tfformats.crc import crc32c, extend, mask, unmask
 from mpistrat.tfformats.sstable import build_table, read_table
@@ -323,21 +324,9 @@ def encode_value(value) -> Tuple[int, Tuple[int, ...], bytes, int]:
 
 
 def _write_atomically(path: str, chunks) -> None:
-    """Write the bytes ``chunks`` yields to ``path``: a temporary name, fsync, rename."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as handle:
-            for chunk in chunks:
-                handle.write(chunk)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
-        raise
+    """Write the bytes ``chunks`` yields to ``path``: a temporary of a random name created with
+    ``O_EXCL|O_NOFOLLOW``, fsync, rename (``io/safe_files.py``)."""
+    replace_atomically(path, lambda handle: [handle.write(chunk) for chunk in chunks])
 
 
 def write_shard(path: str, items: Sequence[Tuple[str, np.ndarray]],

@@ -32,6 +32,7 @@ from typing import Optional
 
 import numpy as np
 
+from mpistrat.io.safe_files import replace_atomically
 from mpistrat.tfformats.crc import crc32c
 
 __all__ = ["index_path", "load_index", "save_index", "fingerprint"]
@@ -101,19 +102,12 @@ def save_index(path: str, compression: Optional[str], index_dir: Optional[str],
     head = _MAGIC + _FIELDS.pack(_VERSION, size, mtime, _CODES[compression], len(offsets) - 1,
                                  0)  # the last field is reserved
     body = np.asarray(offsets, dtype="<i8").tobytes()
-    tmp = f"{cache}.tmp-{secrets.token_hex(8)}"
+    data = head + body + struct.pack("<I", crc32c(head + body))
     try:
         if index_dir is not None:
             os.makedirs(index_dir, exist_ok=True)
-        # a fresh name, never through a planted link
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(head + body + struct.pack("<I", crc32c(head + body)))
-        os.replace(tmp, cache)
+        replace_atomically(cache, lambda handle: handle.write(data),
+                           f"{cache}.tmp-{secrets.token_hex(16)}")  # O_EXCL|O_NOFOLLOW
         return True
     except OSError:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
         return False

@@ -57,10 +57,24 @@ def test_checksums_one_per_partition_and_dtypes_whitelisted():
     with pytest.raises(DataLossError, match="0 checksums for 2 partitions"):
         check_checksums([], 2, "x")
     for bad in [h5py.vlen_dtype(np.int32), np.dtype([("a", "i4"), ("b", "f4")]), np.dtype("O"),
-                np.dtype("S4"), np.dtype(">f8")]:
+                np.dtype("S4"), np.dtype("V2"), np.dtype("M8[s]")]:
         with pytest.raises(DataLossError, match="not allowed"):
             check_dtype(bad, "x")
     assert check_dtype(np.dtype("float16"), "x") == np.float16
+    assert check_dtype(np.dtype(">f8"), "x") == np.dtype(">f8")  # HDF5 records the byte order
+
+
+def test_a_crafted_mpistrat_dtype_is_data_loss():
+    from mpistrat.checkpoint.dtypes import logical_dtype
+    import ml_dtypes
+    assert logical_dtype(np.dtype("uint16"), "bfloat16", "x") == ml_dtypes.bfloat16
+    assert logical_dtype(np.dtype("int64"), b"datetime64[ns]", "x") == np.dtype("M8[ns]")
+    for stored, name in [(np.dtype("int32"), "bfloat16"), (np.dtype("uint8"), "bfloat16"),
+                         (np.dtype("uint16"), "object"), (np.dtype("uint8"), "datetime64[ns]"),
+                         (np.dtype("uint64"), "datetime64[ns]"), (np.dtype("int64"), 7),
+                         (np.dtype("int64"), "datetime64[ns];rm")]:
+        with pytest.raises(DataLossError, match="x"):
+            logical_dtype(stored, name, "x")
 
 
 # -- crafted checkpoint files --------------------------------------------------------------

@@ -58,7 +58,9 @@ def test_a_bad_value_names_the_variable_the_value_and_what_is_accepted(name, tex
     ("MPISTRAT_CHECKPOINT_MODE", "Parts", "parts"), ("MPISTRAT_JAX_COORDINATOR", "10.0.0.1:1234",
                                                      "10.0.0.1:1234"),
     ("MPISTRAT_TEST_FAULT", "checkpoint-partition-written:1:2",
-     ("checkpoint-partition-written", 1, 2)),
+     ("checkpoint-partition-written", 1, 2, "KILL")),
+    ("MPISTRAT_TEST_FAULT", "checkpoint-before-checksums:1:1:stop",
+     ("checkpoint-before-checksums", 1, 1, "STOP")),
 ])
 def test_accepted_values_parse_to_their_meaning(name, text, expected):
     assert value(name, text) == expected

@@ -21,21 +21,6 @@ from mpistrat.checkpoint.validate import check_dtype  # noqa: E402
 pytestmark = pytest.mark.numpy_only("JAX, Keras and NNX values built here, whatever the kind")
 
 
-def bfloat16_stored() -> bool:
-    """Whether this tree's file format stores bfloat16 (issue 17's dtype rules:
-    checkpoint/dtypes.py stores it as raw bits)."""
-    try:
-        from mpistrat.checkpoint.dtypes import to_stored
-    except ImportError:
-        try:
-            check_dtype(np.dtype(jnp.bfloat16), "probe")
-            return True
-        except Exception:  # noqa: BLE001
-            return False
-    to_stored(np.ones(1, jnp.bfloat16), "probe")
-    return True
-
-
 @pytest.fixture
 def shared_dir(world, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("frameworks")) if world.rank == 0 else None
@@ -113,8 +98,6 @@ def test_jax_pytrees_optax_states_and_numbers_round_trip(world, shared_dir):
 
 @pytest.mark.mpi(min_size=1)
 def test_bfloat16_jax_arrays_round_trip(world, shared_dir):
-    if not bfloat16_stored():
-        pytest.xfail("bfloat16 storage belongs to issue 17 (validate.check_dtype refuses it)")
     params = params_of(2, jnp.bfloat16)
     path = ms.Checkpoint(params=params).save(shared_dir + "/bf16")
     fresh = ms.Checkpoint(params=jax.tree.map(jnp.zeros_like, params))

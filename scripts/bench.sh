@@ -10,6 +10,9 @@ scripts/mpirun --limit 900 -n 2 .venv/bin/python benchmarks/percall.py   # media
 for n in 1 2 4; do
     scripts/mpirun --limit 900 -n "$n" .venv/bin/python benchmarks/checkpoint.py --gib 1.0
 done
+for n in 1 2; do   # Keras 3 and optax state against the same arrays saved by hand (issue 16)
+    scripts/mpirun --limit 600 -n "$n" .venv/bin/python benchmarks/checkpoint_frameworks.py
+done
 for n in 1 2 4; do
     scripts/mpirun --limit 900 -n "$n" .venv/bin/python benchmarks/input.py --gib 1.0
 done

@@ -58,13 +58,18 @@ def key_for(comm, topology) -> Dict:
                             comm.Get_size())
 
 
+def _reps(nbytes: int) -> int:
+    """Timed calls per measurement (after one warm-up): more for small, cheap buffers."""
+    return max(2, min(5, (4 << 20) // nbytes))
+
+
 def _time_call(comm, algorithm: str, cls: int, nbytes: int) -> float:
     """The least of a few timings of one all-reduce of ``nbytes`` (one warm-up call first)."""
     from mpistrat.collectives import algorithms
     from mpistrat.collectives.backends import hierarchical
     send = np.ones(nbytes // cls, _DTYPES[cls])
     recv = np.empty_like(send)
-    reps = max(1, min(5, (4 << 20) // nbytes))
+    reps = _reps(nbytes)
 
     def once():
         if algorithm == "hierarchical":
@@ -105,7 +110,9 @@ def calibrate(comm, topology=None, budget: Optional[float] = None,
             choices[(cls, bucket)] = tuning.pick(row)
             times[(cls, bucket)] = row
         cost, spent = float(agreed[-1]) - spent, float(agreed[-1])
-        if spent + 4 * cost > budget:   # the next bucket is 4x larger: it would not fit
+        # the next bucket is 4x larger (fewer calls, though): stop if it would not fit
+        following = 4 * bucket
+        if spent + cost * 4 * (1 + _reps(following)) / (1 + _reps(bucket)) > budget:
             break
     return tuning.TuningTable(key_for(comm, topology), choices,
                               f"calibrated on this job ({spent:.2f} s)", times, spent)

@@ -34,7 +34,7 @@ from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.collectives.topology import comm_topology
 from mpistrat.runtime import settings
 
-__all__ = ["table_for", "calibrate", "tune", "describe", "candidates_for", "forget"]
+__all__ = ["table_for", "calibrate", "tune", "describe", "candidates_for", "install", "forget"]
 
 _KEYVAL = MPI.Comm.Create_keyval()  # the table, or the text saying why there is none
 _OVERRIDES = ("MPISTRAT_RING_THRESHOLD", "MPISTRAT_HIERARCHICAL_THRESHOLD")
@@ -185,12 +185,13 @@ def _write(comm, path: str, table: tuning.TuningTable) -> None:
     if comm.Get_rank() == 0:
         try:
             tuning.save_table(path, table)
-            table.source += f", written to {path}"
         except OSError as err:
             problem = f"could not write the tuning file {path}: {err}"
     problem = comm.bcast(problem, root=0)
     if problem:
         warnings.warn(f"rank {comm.Get_rank()}: {problem}", stacklevel=4)
+    else:
+        table.source += f", written to {path}"
 
 
 def tune(comm, path: Optional[str], budget: Optional[float] = None) -> tuning.TuningTable:
@@ -201,6 +202,12 @@ def tune(comm, path: Optional[str], budget: Optional[float] = None) -> tuning.Tu
         _write(comm, path, table)
     comm.Set_attr(_KEYVAL, table)
     return table
+
+
+def install(comm, table: Optional[tuning.TuningTable]) -> None:
+    """Make ``comm``'s all-reduces follow ``table`` (``None``: the static rules) from now on;
+    every rank must install the same table (tests force algorithms through it)."""
+    comm.Set_attr(_KEYVAL, table if table is not None else "installed: the static rules")
 
 
 def forget(comm) -> None:

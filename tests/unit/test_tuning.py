@@ -86,3 +86,18 @@ def test_an_oversized_or_binary_file_is_refused_unparsed(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(TuningFileError, match="not UTF-8"):
         tuning.load_table(str(binary), KEY)
+
+
+def test_hierarchical_is_a_candidate_only_across_nodes_of_several_ranks():
+    from mpistrat.collectives.calibration import candidates_for
+    from mpistrat.collectives.topology import make_topology, single_node
+    assert candidates_for(single_node(4)) == ("mpi", "ring", "rabenseifner")
+    assert candidates_for(make_topology([0, 1], [None] * 2)) == ("mpi", "ring", "rabenseifner")
+    assert "hierarchical" in candidates_for(make_topology([0, 0, 1, 1], [None] * 4))
+
+
+def test_info_renders_the_table_and_its_source():
+    from mpistrat.__main__ import render_tuning
+    lines = render_tuning({"source": "file /x.json", "entries": _table().rows()})
+    assert lines[1] == "tuning table: file /x.json"
+    assert any("4 MiB" in line and "ring" in line and "mpi 2000000 us" in line for line in lines)

@@ -3,6 +3,7 @@
     mpirun -n 2 python -m mpistrat info          # one row per rank, then the facts
     mpirun -n 2 python -m mpistrat info --json   # the same as one JSON document
     python -m mpistrat plan --nodes 64 --model resnet50   # predicted all-reduce (simulate/plan.py)
+    mpirun -n 4 python -m mpistrat tune --output tuning.json   # measured choices (calibration.py)
 
 Rows: rank, host, node, local rank, the device the rank would bind, and the collective
 backend chosen for each array kind (NumPy, CuPy, JAX). Facts: the MPI library and thread
@@ -106,6 +107,7 @@ def info() -> dict:
     from mpistrat.checkpoint.h5write import checkpoint_mode
     from mpistrat.collectives.backends import select_backend
     from mpistrat.collectives.backends.describe import describe_backends
+    from mpistrat.collectives.calibration import describe as describe_tuning
     from mpistrat.collectives.topology import comm_topology
     from mpistrat.collectives.options import CommunicationImplementation
     from mpistrat.runtime import get_world
@@ -152,6 +154,8 @@ def info() -> dict:
         "collective_paths": jax_paths_told_truly(
             describe_backends(world.size, comm_topology(world.comm), caps),
             jax_facts.get("jax_platform"), caps.cupy),
+        # the measured table the host all-reduce follows, and where it came from
+        "tuning": describe_tuning(world.comm),
     }
 
 
@@ -204,7 +208,49 @@ def render(rows: List[dict]) -> str:
         lines.append(f"  {path['kind']:<6}{size:>8}  " + (
             f"{path['backend']} / {path['algorithm']}: {path['why']}" if "backend" in path
             else f"none: {path['error']}"))
+    lines.extend(render_tuning(first.get("tuning")))
     return "\n".join(lines) + "\n"
+
+
+def render_tuning(tuning: Optional[dict]) -> List[str]:
+    """The tuning table's lines (pure): where it came from, then one line per entry."""
+    if not tuning:
+        return []
+    lines = ["", f"tuning table: {tuning['source']}"]
+    for row in tuning["entries"]:
+        times = ", ".join(f"{n} {t * 1e6:.0f} us" for n, t in row["times"].items())
+        lines.append(f"  {row['class']}-byte {_bytes(row['bytes']):>8}  {row['algorithm']:<13}"
+                     f"{times}")
+    return lines
+
+
+def tune(argv) -> int:
+    """``python -m mpistrat tune [--output PATH] [--budget S]``: calibrate and write the file."""
+    parser = argparse.ArgumentParser(prog="python -m mpistrat tune",
+                                     description="measure the all-reduce algorithms on this "
+                                                 "job's ranks and write the tuning file")
+    parser.add_argument("--output", help="the file (default: MPISTRAT_TUNING_FILE)")
+    parser.add_argument("--budget", type=float, default=10.0,
+                        help="seconds at most (default 10: ahead of a job it may take longer "
+                             "than the 2 s of a calibration at first use, and measure up to "
+                             "64 MiB)")
+    args = parser.parse_args(argv)
+    from mpistrat.collectives import calibration
+    from mpistrat.runtime import get_world, settings
+    comm = get_world().comm
+    path = args.output or settings.get("MPISTRAT_TUNING_FILE")
+    if comm.Get_size() == 1:
+        sys.stdout.write("one rank: nothing to tune (run it under mpirun with the job's "
+                         "layout)\n")
+        return 0
+    table = calibration.tune(comm, path, args.budget)
+    if comm.Get_rank() == 0:
+        sys.stdout.write("\n".join(render_tuning(
+            {"source": table.source, "entries": table.rows()})).lstrip("\n") + "\n")
+        if path is None:
+            sys.stdout.write("(not written: give --output or MPISTRAT_TUNING_FILE)\n")
+        sys.stdout.flush()
+    return 0
 
 
 def _bytes(n: int) -> str:
@@ -222,9 +268,12 @@ def main(argv=None) -> int:
     if argv[:1] == ["plan"]:  # the simulator's own command (mpistrat/simulate/plan.py)
         from mpistrat.simulate.plan import main as plan
         return plan(argv[1:])
+    if argv[:1] == ["tune"]:  # measure the all-reduce algorithms, write the tuning file
+        return tune(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m mpistrat")
-    parser.add_argument("command", choices=["info", "plan", "convert"],
-                        help="info: describe every rank; plan: predict a cluster's all-reduce "
+    parser.add_argument("command", choices=["info", "plan", "convert", "tune"],
+                        help="info: describe every rank; tune: measure the all-reduce algorithms "
+                             "and write the tuning file (python -m mpistrat tune --help); plan: predict a cluster's all-reduce "
                              "(python -m mpistrat plan --help); convert: checkpoints between "
                              "TensorFlow's format and ours (python -m mpistrat convert --help)")
     parser.add_argument("--json", action="store_true", help="one JSON document on rank 0")

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 from mpistrat.errors import InvalidArgumentError
 
 __all__ = ["Setting", "SettingError", "SETTINGS", "get", "problems", "unknown_names",
-           "agree", "parse_seconds", "parse_bytes", "parse_threshold", "parse_bool"]
+           "agree", "is_set", "parse_seconds", "parse_bytes", "parse_threshold", "parse_bool"]
 
 
 class SettingError(InvalidArgumentError):
@@ -189,6 +189,16 @@ SETTINGS = (
     Setting("MPISTRAT_HIERARCHICAL_THRESHOLD", parse_bytes, 32 << 20,
             _BYTE_COUNT + "; unset means 32MiB",
             "bytes from which buffers take the hierarchical all-reduce across nodes"),
+    Setting("MPISTRAT_TUNING", _choice("auto", "on", "off"), "auto",
+            "auto, on or off; unset means auto",
+            "measured all-reduce choices (collectives/calibration.py): auto with a tuning file "
+            "only, on always, off never"),
+    Setting("MPISTRAT_TUNING_FILE", _path, None, "a file path; unset means none",
+            "the tuning table cache: read when it holds this job's key, else calibrated and "
+            "written (python -m mpistrat tune writes it ahead of a job)"),
+    Setting("MPISTRAT_TUNING_BUDGET", parse_seconds, 2.0, _SECONDS + "; unset means 2",
+            "the most seconds one calibration spends (it stops before a bucket that would "
+            "not fit)"),
     Setting("MPISTRAT_BUFFER_POOL_BYTES", parse_bytes, 1 << 30,
             _BYTE_COUNT + "; 0 disables; unset means 1GiB",
             "memory kept for reusing result buffers"),
@@ -289,6 +299,12 @@ def get(name: str, environ: Optional[Mapping[str, str]] = None, at_import: bool 
         except (ValueError, TypeError, OverflowError):
             return setting.default   # agree() raises it on every rank
     return _parse(setting, text)
+
+
+def is_set(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether variable ``name`` is set (not empty): an override of a measured choice."""
+    _BY_NAME[name]  # a KeyError for a name no setting knows
+    return _raw(name, environ) is not None
 
 
 def problems(environ: Optional[Mapping[str, str]] = None) -> List[str]:

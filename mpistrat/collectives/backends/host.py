@@ -1,8 +1,9 @@
 """``HostMPI``: NumPy buffers over MPI; small tensors fused by dtype, large ones unpacked.
 
-Each fused bucket or large tensor is combined by the algorithm
-``choose_algorithm`` picks for its size and the communicator's topology
-(``mpi``, ``ring``, ``hierarchical`` or ``reduce_broadcast``). Device
+Each fused bucket or large tensor is combined by the algorithm the tuning
+table measured for its size (``calibration.table_for``, where tuning is on),
+else the one ``choose_algorithm`` picks for its size and the communicator's
+topology (``mpi``, ``ring``, ``hierarchical`` or ``reduce_broadcast``). Device
 buffers are refused by name: this backend's MPI may not be CUDA-aware::
 
     >>> import numpy as np
@@ -22,6 +23,8 @@ from mpistrat.collectives.backends import hierarchical
 from mpistrat.collectives.backends.base import (Backend, factor, movable, options_of,
                                                 refuse_device_buffers, wire_dtype)
 from mpistrat.collectives.buffer_pool import default_pool
+from mpistrat.collectives.calibration import table_for
+from mpistrat.collectives.tuning import BUCKETS
 from mpistrat.collectives.dtypes import from_wire, to_wire
 from mpistrat.collectives.deadline import wait_all
 from mpistrat.collectives.packing import fused_all_reduce
@@ -32,6 +35,8 @@ __all__ = ["HostMPI", "host_allreduce", "broadcast_buffer"]
 
 # Below this size a plain allocation is as cheap as the pool's bookkeeping.
 _POOL_MIN_BYTES = 64 << 10
+# buffers from half the smallest tuning bucket follow the measured table where there is one
+_TUNED_FROM = BUCKETS[0] // 2
 
 
 def _wire(array: np.ndarray, op: ReduceOp) -> np.ndarray:
@@ -58,10 +63,17 @@ def host_allreduce(comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp, deadl
                                   piece, op, deadline, preference)
         return name
     size = comm.Get_size()
-    # the topology matters only where the size rules leave a choice (it is measured once)
-    needs_topology = size > 1 and preference == "auto" and 0 <= RING_THRESHOLD_BYTES <= send.nbytes
-    topology = comm_topology(comm, deadline) if needs_topology else None
-    algorithm = choose_algorithm(send.nbytes, size, topology=topology, preference=preference)
+    algorithm = None
+    if size > 1 and preference == "auto" and send.nbytes >= _TUNED_FROM:
+        table = table_for(comm, deadline)  # measured choices (collectives/calibration.py)
+        if table is not None:
+            algorithm = table.choose(send.nbytes, send.itemsize)
+    if algorithm is None:
+        # the topology matters only where the size rules leave a choice (it is measured once)
+        needs_topology = size > 1 and preference == "auto" and \
+            0 <= RING_THRESHOLD_BYTES <= send.nbytes
+        topology = comm_topology(comm, deadline) if needs_topology else None
+        algorithm = choose_algorithm(send.nbytes, size, topology=topology, preference=preference)
     if algorithm == "hierarchical":
         hierarchical.host_allreduce(comm, send, recv, op, deadline)
     else:

@@ -1,0 +1,139 @@
+"""The tuner at 1-4 ranks: agreed choices, the tuning file as hostile input, the cache, and
+the same sums whichever algorithm the table forces."""
+
+import os
+
+import numpy as np
+import pytest
+
+from mpistrat.collectives import calibration, tuning
+from mpistrat.collectives.engine import CollectiveEngine
+from mpistrat.collectives.options import CommunicationOptions
+
+pytestmark = pytest.mark.numpy_only("host-buffer algorithms and raw MPI comparisons")
+
+
+@pytest.fixture
+def comm(world):
+    """A fresh duplicate of the world: nothing cached on it yet."""
+    dup = world.comm.Dup()
+    yield dup
+    dup.Free()
+
+
+@pytest.fixture
+def shared_path(world, tmp_path):
+    """One file path, rank 0's, on every rank (the ranks share this host's /tmp)."""
+    return world.comm.bcast(str(tmp_path / "tuning.json"), root=0)
+
+
+def _fake(rank_of_liar):
+    """Timings where one rank sees the ring fastest and every other rank MPI's own."""
+    def measure(comm, name, cls, nbytes):
+        liar = comm.Get_rank() == rank_of_liar
+        return {"mpi": 1.0 if liar else 0.1, "ring": 0.1 if liar else 0.5,
+                "rabenseifner": 0.9, "hierarchical": 2.0}[name] * nbytes * 1e-9
+    return measure
+
+
+def test_one_rank_fed_other_timings_still_yields_the_agreed_choice_on_every_rank(comm):
+    liar = comm.Get_size() - 1
+    table = calibration.calibrate(comm, budget=1e9, measure=_fake(liar))
+    everyone = comm.allgather(sorted(table.choices.items()))
+    assert all(choices == everyone[0] for choices in everyone)
+    # the MAX of every rank's timings: MPI's own 1.0 (the liar's), the ring 0.5 (the others'):
+    # the ring everywhere, although most ranks alone would have kept MPI's own
+    assert set(table.choices.values()) == {"ring"}
+    assert len(table.choices) == len(tuning.BUCKETS) * len(tuning.SIZE_CLASSES)
+
+
+def test_the_budget_stops_every_rank_at_the_same_bucket_when_one_rank_is_slow(comm):
+    import time
+
+    def measure(c, name, cls, nbytes):
+        if c.Get_rank() == 0:
+            time.sleep(0.01)
+        return 1e-6
+    table = calibration.calibrate(comm, budget=0.25, measure=measure)
+    counts = comm.allgather(len(table.choices))
+    assert len(set(counts)) == 1 and 0 < counts[0] < len(tuning.BUCKETS) * 2
+
+
+def test_a_corrupt_or_foreign_file_is_ignored_with_a_warning_and_replaced(comm, shared_path,
+                                                                         monkeypatch):
+    monkeypatch.setenv("MPISTRAT_TUNING_FILE", shared_path)
+    monkeypatch.setenv("MPISTRAT_TUNING_BUDGET", "0.3")
+    for text in ("{corrupt", '{"format": "mpistrat-tuning", "version": 1, "buckets": %s, '
+                             '"tables": [{"key": {"host": "elsewhere"}, "entries": []}]}'
+                 % list(tuning.BUCKETS)):
+        if comm.Get_rank() == 0:
+            with open(shared_path, "w") as f:
+                f.write(text)
+        comm.Barrier()
+        calibration.forget(comm)
+        if comm.Get_size() == 1:
+            assert calibration.table_for(comm) is None   # one rank: nothing to tune
+            continue
+        with pytest.warns(UserWarning, match="ignoring tuning file: .*(corrupt|foreign)"):
+            table = calibration.table_for(comm)
+        assert table is not None and table.source.startswith("calibrated")
+        comm.Barrier()
+        # the calibration replaced it with a valid table for this key
+        assert tuning.load_table(shared_path, table.key).choices == table.choices
+        comm.Barrier()   # every rank has read it before rank 0 writes the next text
+
+
+def test_the_second_run_uses_the_cached_table_without_calibrating(comm, shared_path,
+                                                                   monkeypatch):
+    monkeypatch.setenv("MPISTRAT_TUNING_FILE", shared_path)
+    monkeypatch.setenv("MPISTRAT_TUNING_BUDGET", "0.3")
+    if comm.Get_rank() == 0 and os.path.exists(shared_path):
+        os.unlink(shared_path)
+    comm.Barrier()
+    first = calibration.table_for(comm)
+    if comm.Get_size() == 1:
+        assert first is None
+        return
+    assert first.source.startswith("calibrated") and shared_path in first.source
+    second_comm = comm.Dup()
+    try:
+        def refuse(*args, **kwargs):
+            raise AssertionError("calibrated again although the file holds this job's table")
+        monkeypatch.setattr(calibration, "calibrate", refuse)
+        second = calibration.table_for(second_comm)
+        assert second.source == f"file {shared_path}" and second.choices == first.choices
+        assert calibration.describe(second_comm)["source"] == second.source
+    finally:
+        second_comm.Free()
+
+
+def test_a_hand_set_threshold_overrides_the_tuner(comm, shared_path, monkeypatch):
+    monkeypatch.setenv("MPISTRAT_TUNING", "on")
+    monkeypatch.setenv("MPISTRAT_RING_THRESHOLD", "1MiB")
+    assert calibration.table_for(comm) is None
+    if comm.Get_size() > 1:
+        assert "MPISTRAT_RING_THRESHOLD" in calibration.describe(comm)["source"]
+
+
+@pytest.mark.parametrize("algorithm", ["mpi", "ring", "rabenseifner", "hierarchical"])
+def test_forcing_each_algorithm_through_the_table_gives_the_same_sums(comm, algorithm):
+    every = {(c, b): algorithm for c in tuning.SIZE_CLASSES for b in tuning.BUCKETS}
+    calibration.install(comm, tuning.TuningTable({}, every, "test"))
+    engine = CollectiveEngine(comm)
+    rng = np.random.default_rng(comm.Get_rank())
+    for dtype in (np.float32, np.float64, np.int64):
+        for count in (600, 5000, 300_001):
+            value = rng.integers(-50, 50, count).astype(dtype)   # exact in any order
+            expected = np.empty_like(value)
+            comm.Allreduce(value, expected)
+            got = engine.all_reduce(value, "SUM")
+            assert got.dtype == expected.dtype
+            np.testing.assert_array_equal(got, expected, err_msg=f"{algorithm} {dtype} {count}")
+            # many tensors: fused buckets follow the table too
+            pair = engine.all_reduce([value, value[: count // 3]], "SUM")
+            np.testing.assert_array_equal(pair[0], expected)
+            np.testing.assert_array_equal(pair[1], expected[: count // 3])
+    # and the per-call preference still wins over the table
+    forced = engine.all_reduce(np.ones(1 << 16), "SUM",
+                               CommunicationOptions(algorithm="reduce_broadcast"))
+    np.testing.assert_array_equal(forced, np.full(1 << 16, float(comm.Get_size())))

@@ -1,6 +1,7 @@
 """The ported examples in jobs/examples/ (issue 16) train at 1 and 2 ranks, and for the same
 global batch the losses printed at 1 and 2 ranks agree (float tolerance: the 2-rank gradient is a
-sum of two partial sums)."""
+sum of two partial sums); the multi-worker tutorial resumes at 3 ranks from a 2-rank checkpoint
+with the losses of an uninterrupted run."""
 
 import os
 import re
@@ -22,8 +23,8 @@ EXAMPLES = {
 }
 
 
-def _run(example, ranks, tmp_path):
-    flags, _, _ = EXAMPLES[example]
+def _run(example, ranks, tmp_path, flags=None):
+    flags = EXAMPLES[example][0] if flags is None else flags
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
     env.update(PYTHONUNBUFFERED="1", KERAS_BACKEND="jax", PYTHONPATH=str(ROOT))
     env.pop("MPISTRAT_COLLECTIVE_TIMEOUT", None)
@@ -52,3 +53,26 @@ def test_example_losses_agree_at_one_and_two_ranks(example, tmp_path):
     accuracy_1, accuracy_2 = _numbers(one, accuracy_pattern), _numbers(two, accuracy_pattern)
     assert accuracy_1 and accuracy_1 == pytest.approx(accuracy_2, abs=1e-3)
     assert "Number of devices: 2" in two or example != "custom_training.py"
+
+
+def test_multi_worker_custom_loop_resumes_at_another_width(tmp_path):
+    """TensorFlow's multi-worker custom-loop tutorial: 2 epochs at 1 rank give the losses of
+    epoch 0 at 2 ranks followed by epoch 1 at 3 ranks, restored from the 2-rank checkpoint."""
+    example = "multi_worker_custom_loop.py"
+    pattern = r"Epoch: (\d+), accuracy: ([0-9.]+), train_loss: ([0-9.]+)\."
+
+    def epochs(ranks, count, directory):
+        output = _run(example, ranks, tmp_path, ["--short", "--global-batch", "30", "--epochs",
+                                                 str(count), "--checkpoint-dir", directory])
+        return output, re.findall(pattern, output)
+
+    _, whole = epochs(1, 2, str(tmp_path / "one"))
+    _, first = epochs(2, 1, str(tmp_path / "resumed"))
+    output, second = epochs(3, 2, str(tmp_path / "resumed"))
+    assert "epoch 1, step_in_epoch 0" in output, output[-2000:]
+    assert [e for e, _, _ in whole] == ["0", "1"] and [e for e, _, _ in first + second] == \
+        ["0", "1"], (whole, first, second)
+    got = [float(x) for _, accuracy, loss in first + second for x in (accuracy, loss)]
+    want = [float(x) for _, accuracy, loss in whole for x in (accuracy, loss)]
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-5), (got, want)
+    assert want[3] < want[1], f"the loss did not fall: {whole}"

@@ -15,6 +15,7 @@ choose the communicator and the cluster; the semantics live here::
 """
 
 import contextlib
+import sys
 from typing import Any, Callable, Iterator, Optional, Tuple
 
 import numpy as np
@@ -151,6 +152,9 @@ class Strategy:
             raise RuntimeError(
                 f"Mixing different strategies: {type(entry.strategy).__name__} is current, "
                 f"so the scope of this {type(self).__name__} cannot be entered inside it")
+        if "keras" in sys.modules:   # Keras optional: model.fit under a strategy
+            from mpistrat.keras_support import install
+            install()
         with entered(self, entry.replica_context if entry else None):
             yield self
 

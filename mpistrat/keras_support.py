@@ -27,9 +27,10 @@ What changes for a compiled model (instance attributes; the Keras classes are un
 * ``predict`` is not sharded: every rank predicts all rows (same result on every rank).
 
 Not done: non-trainable variables (BatchNormalization statistics) stay per rank; metrics
-whose state is not a sum (e.g. ``max``) are wrong; Python generators and ``ms`` distributed
-datasets are passed to Keras unchanged (they must already give each rank its share and stop
-on the same step everywhere).
+whose state is not a sum (e.g. ``max``) are wrong; ``validation_split`` is refused. An ``ms``
+distributed dataset (``strategy.experimental_distribute_dataset``) is iterated afresh each
+epoch as it is (it already gives each rank its share and stops on the same step everywhere);
+Python generators and other inputs are passed to Keras unchanged and must do the same.
 """
 
 import math
@@ -112,6 +113,38 @@ class _RankShare:
         return RankShare(*args, **kwargs)
 
 
+def _epochs_of(dataset):
+    """A Keras ``DataAdapter`` that iterates an ``ms`` distributed dataset afresh each epoch."""
+    from keras.src.trainers.data_adapters import data_adapter, data_adapter_utils
+
+    from mpistrat.distribute.values import DistributedValues
+
+    def local(value):   # one replica per rank: the PerReplica's only component
+        if isinstance(value, DistributedValues):
+            (value,) = value.values
+            return value
+        if isinstance(value, (tuple, list)):
+            return type(value)(local(v) for v in value)
+        if isinstance(value, dict):
+            return {k: local(v) for k, v in value.items()}
+        return value
+
+    def batches():
+        return (local(batch) for batch in dataset)
+
+    class Epochs(data_adapter.DataAdapter):
+        def get_numpy_iterator(self):
+            return data_adapter_utils.get_numpy_iterator(batches())
+
+        def get_jax_iterator(self):
+            return data_adapter_utils.get_jax_iterator(batches())
+
+        num_batches = batch_size = has_partial_batch = partial_batch_size = property(
+            lambda self: None)
+
+    return Epochs()
+
+
 def _is_arrays(x) -> bool:
     import jax
     leaves = jax.tree_util.tree_leaves(x)
@@ -137,8 +170,7 @@ def distribute_model(model: Any, strategy: Any) -> Any:
         raise ValueError(f"model.fit under {type(strategy).__name__} is not supported: its "
                          f"replicas are devices inside compiled steps; use a custom loop")
     world = get_world()
-    if world.size == 1 or getattr(model, "_mpistrat_strategy", None) is strategy:
-        model._mpistrat_strategy = strategy
+    if getattr(model, "_mpistrat_strategy", None) is strategy:
         return model
     cls = type(model)
 
@@ -199,6 +231,9 @@ def distribute_model(model: Any, strategy: Any) -> Any:
         return metrics_logs(metrics_vars), (trainable, non_trainable, metrics_vars)
 
     def share(x, y, sample_weight, batch_size, shuffle):
+        from mpistrat.data.distributed import DistributedDataset
+        if isinstance(x, DistributedDataset):   # already this rank's share of each batch
+            return _epochs_of(x), y, sample_weight, None
         if not _is_arrays(x):
             return x, y, sample_weight, batch_size
         arrays = tuple(a for a in (x, y, sample_weight) if a is not None)

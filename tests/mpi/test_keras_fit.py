@@ -131,4 +131,23 @@ def test_each_rank_trains_on_its_rebatch_slice(world):
     strategy = ms.MultiWorkerMirroredStrategy()
     with strategy.scope():
         model = build()
-    assert ("train_step" in vars(model)) == (world.size > 1)   # the distributed step is used
+    assert "train_step" in vars(model)   # the distributed step is used
+
+
+@pytest.mark.mpi(min_size=1)
+def test_fit_on_a_distributed_dataset_matches_arrays(world):
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x, y = data()
+    with strategy.scope():
+        model = build()
+    dataset = strategy.experimental_distribute_dataset(
+        ms.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+    history = model.fit(dataset, epochs=2, verbose=0)
+    single, single_history = reference(epochs=2)
+    for got, want in zip(weights(model), weights(single)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(history.history["loss"], single_history.history["loss"],
+                               rtol=1e-5)
+    logs = model.evaluate(dataset, verbose=0, return_dict=True)
+    want = single.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    np.testing.assert_allclose(logs["loss"], want["loss"], rtol=1e-5)

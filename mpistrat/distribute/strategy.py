@@ -15,7 +15,6 @@ choose the communicator and the cluster; the semantics live here::
 """
 
 import contextlib
-import sys
 from typing import Any, Callable, Iterator, Optional, Tuple
 
 import numpy as np
@@ -33,6 +32,20 @@ from mpistrat.distribute.values import DistributedValues, Mirrored, PerReplica, 
 from mpistrat.runtime.devices import array_module
 
 __all__ = ["Strategy", "StrategyExtended"]
+
+
+_SCOPE_HOOKS = []   # callables run on every scope() entry, registered by higher layers
+
+
+def add_scope_hook(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` whenever a strategy's scope is entered (once per hook).
+
+    Higher layers register here so that this layer never imports them::
+
+        add_scope_hook(keras_support.on_scope)   # done by mpistrat/__init__.py
+    """
+    if hook not in _SCOPE_HOOKS:
+        _SCOPE_HOOKS.append(hook)
 
 
 class StrategyExtended:
@@ -152,9 +165,8 @@ class Strategy:
             raise RuntimeError(
                 f"Mixing different strategies: {type(entry.strategy).__name__} is current, "
                 f"so the scope of this {type(self).__name__} cannot be entered inside it")
-        if "keras" in sys.modules:   # Keras optional: model.fit under a strategy
-            from mpistrat.keras_support import install
-            install()
+        for hook in _SCOPE_HOOKS:   # e.g. keras_support: model.fit under a strategy
+            hook()
         with entered(self, entry.replica_context if entry else None):
             yield self
 

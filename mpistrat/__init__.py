@@ -37,6 +37,7 @@ from mpistrat.checkpoint import (Checkpoint, CheckpointManager, CheckpointOption
 from mpistrat import train  # noqa: E402
 from mpistrat import nn  # noqa: E402
 from mpistrat import preemption  # noqa: E402  (adds ms.distribute.experimental's handler)
+from mpistrat import keras_support  # noqa: E402  (model.fit under a scope; Keras optional)
 from mpistrat import distribute  # noqa: E402
 from mpistrat import data  # noqa: E402
 from mpistrat import io  # noqa: E402

@@ -34,6 +34,20 @@ from mpistrat.runtime.devices import array_module
 __all__ = ["Strategy", "StrategyExtended"]
 
 
+_SCOPE_HOOKS = []   # callables run on every scope() entry, registered by higher layers
+
+
+def add_scope_hook(hook: Callable[[], None]) -> None:
+    """Run ``hook()`` whenever a strategy's scope is entered (once per hook).
+
+    Higher layers register here so that this layer never imports them::
+
+        add_scope_hook(keras_support.on_scope)   # done by mpistrat/__init__.py
+    """
+    if hook not in _SCOPE_HOOKS:
+        _SCOPE_HOOKS.append(hook)
+
+
 class StrategyExtended:
     """Lower-level facts and tools of a strategy (``strategy.extended``)."""
 
@@ -151,6 +165,8 @@ class Strategy:
             raise RuntimeError(
                 f"Mixing different strategies: {type(entry.strategy).__name__} is current, "
                 f"so the scope of this {type(self).__name__} cannot be entered inside it")
+        for hook in _SCOPE_HOOKS:   # e.g. keras_support: model.fit under a strategy
+            hook()
         with entered(self, entry.replica_context if entry else None):
             yield self
 

@@ -1,0 +1,293 @@
+"""Keras 3 (JAX backend) ``fit``/``evaluate``/``predict`` data parallel under a strategy.
+
+A model compiled inside ``strategy.scope()`` of a ``MultiWorkerMirroredStrategy`` or
+``MirroredStrategy`` trains across the MPI ranks, as a TensorFlow model compiled under
+``tf.distribute.MultiWorkerMirroredStrategy`` does::
+
+    strategy = ms.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse", metrics=["mae"])
+    model.fit(x, y, batch_size=64, epochs=2)   # 64 rows per global batch, split over ranks
+    model.evaluate(x, y, batch_size=64)        # the same logs on every rank
+
+What changes for a compiled model (instance attributes; the Keras classes are untouched):
+
+* NumPy arrays given to ``fit``/``evaluate`` are cut into global batches of ``batch_size``
+  rows; each rank takes its slice of every global batch by TensorFlow's rebatch rule
+  (``mpistrat.data.rebatch.rebatch_slices``: ``ceil(B/N)`` rows per replica, later replicas
+  may get 0 rows). ``shuffle=True`` permutes the rows once per epoch with the same seeded
+  order on every rank (seed ``keras_shuffle_seed``, default 0).
+* The train step weights each replica's gradient by its row count and sums over the ranks
+  (one ordered host all-reduce per step, ``ms.nn.all_reduce_gradients``), so the update is
+  the gradient of the loss averaged over the global batch, as one process would compute it.
+* Metric variables: each step's change is summed over the ranks, so the loss tracker and
+  additive metrics (``Mean``, accuracy, ``MeanSquaredError``, confusion counts) hold the
+  global values on every rank; per-step and epoch logs agree across ranks.
+* ``predict`` is not sharded: every rank predicts all rows (same result on every rank).
+
+Not done: non-trainable variables (BatchNormalization statistics) stay per rank; metrics
+whose state is not a sum (e.g. ``max``) are wrong; ``validation_split`` is refused. An ``ms``
+distributed dataset (``strategy.experimental_distribute_dataset``) is iterated afresh each
+epoch as it is (it already gives each rank its share and stops on the same step everywhere);
+Python generators and other inputs are passed to Keras unchanged and must do the same.
+"""
+
+import math
+import sys
+from typing import Any
+
+import numpy as np
+
+__all__ = ["distribute_model", "install", "on_scope"]
+
+_INSTALLED = False
+
+
+def on_scope() -> None:
+    """The scope hook: if Keras is already imported, ``install()`` (Keras stays optional)."""
+    if not _INSTALLED and "keras" in sys.modules:
+        install()
+
+
+def install() -> None:
+    """Wrap ``keras.Model.compile`` once so that a compile inside a scope distributes the model.
+
+    Called by ``on_scope`` on entering ``Strategy.scope()`` when Keras is already imported.
+    """
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    import keras
+    original = keras.Model.compile
+
+    def compile(self, *args, **kwargs):  # noqa: A001 - Keras's own name
+        result = original(self, *args, **kwargs)
+        from mpistrat.distribute.context import get_strategy, has_strategy
+        strategy = get_strategy() if has_strategy() else None
+        # TPUStrategy (replicas inside compiled steps) is left to custom loops
+        if (strategy is not None and keras.backend.backend() == "jax"
+                and getattr(strategy.extended, "variable_class", None) is None):
+            distribute_model(self, strategy)
+        return result
+
+    compile.__doc__ = original.__doc__
+    keras.Model.compile = compile
+    _INSTALLED = True
+
+
+def _rows(tree) -> int:
+    import jax
+    leaves = [leaf for leaf in jax.tree_util.tree_leaves(tree) if leaf is not None]
+    return int(np.shape(leaves[0])[0]) if leaves else 0
+
+
+class _RankShare:
+    """This rank's slice of every global batch of NumPy arrays (a ``keras.utils.PyDataset``)."""
+
+    def __new__(cls, *args, **kwargs):
+        import keras
+
+        class RankShare(keras.utils.PyDataset):
+            def __init__(self, arrays, batch_size, rank, size, shuffle, seed):
+                super().__init__()
+                self.arrays, self.batch_size = arrays, int(batch_size)
+                self.rank, self.size, self.shuffle, self.seed = rank, size, shuffle, seed
+                self.total = _rows(arrays)
+                self.epoch = 0
+                self.order = self._order()
+
+            def _order(self):
+                if not self.shuffle:
+                    return None
+                return np.random.default_rng((self.seed, self.epoch)).permutation(self.total)
+
+            def __len__(self):
+                return math.ceil(self.total / self.batch_size)
+
+            def __getitem__(self, index):
+                import jax
+                from mpistrat.data.rebatch import rebatch_slices
+                start = index * self.batch_size
+                stop = min(start + self.batch_size, self.total)
+                lo, hi = rebatch_slices(stop - start, self.size)[self.rank]
+                rows = np.arange(start + lo, start + hi)
+                if self.order is not None:
+                    rows = self.order[rows]
+                return jax.tree_util.tree_map(lambda a: np.asarray(a)[rows], self.arrays)
+
+            def on_epoch_end(self):
+                self.epoch += 1
+                self.order = self._order()
+
+        return RankShare(*args, **kwargs)
+
+
+def _epochs_of(dataset):
+    """A Keras ``DataAdapter`` that iterates an ``ms`` distributed dataset afresh each epoch."""
+    from keras.src.trainers.data_adapters import data_adapter, data_adapter_utils
+
+    from mpistrat.distribute.values import DistributedValues
+
+    def local(value):   # one replica per rank: the PerReplica's only component
+        if isinstance(value, DistributedValues):
+            (value,) = value.values
+            return value
+        if isinstance(value, (tuple, list)):
+            return type(value)(local(v) for v in value)
+        if isinstance(value, dict):
+            return {k: local(v) for k, v in value.items()}
+        return value
+
+    def batches():
+        return (local(batch) for batch in dataset)
+
+    class Epochs(data_adapter.DataAdapter):
+        def get_numpy_iterator(self):
+            return data_adapter_utils.get_numpy_iterator(batches())
+
+        def get_jax_iterator(self):
+            return data_adapter_utils.get_jax_iterator(batches())
+
+        num_batches = batch_size = has_partial_batch = partial_batch_size = property(
+            lambda self: None)
+
+    return Epochs()
+
+
+def _is_arrays(x) -> bool:
+    import jax
+    leaves = jax.tree_util.tree_leaves(x)
+    return bool(leaves) and all(isinstance(leaf, np.ndarray) or type(leaf).__module__.startswith(
+        "jax") for leaf in leaves)
+
+
+def distribute_model(model: Any, strategy: Any) -> Any:
+    """Make ``model`` (compiled, Keras 3 on JAX) train and evaluate data parallel under
+    ``strategy``; done by ``compile`` inside ``strategy.scope()``. Returns ``model``::
+
+        ms.keras_support.distribute_model(model, strategy)   # compiled outside any scope
+    """
+    import jax
+    import jax.numpy as jnp
+    import keras
+    from keras.src import backend
+    from keras.src.trainers.data_adapters import data_adapter_utils
+    from mpistrat.nn import all_reduce_gradients
+    from mpistrat.runtime import get_world
+
+    if getattr(strategy.extended, "variable_class", None) is not None:
+        raise ValueError(f"model.fit under {type(strategy).__name__} is not supported: its "
+                         f"replicas are devices inside compiled steps; use a custom loop")
+    world = get_world()
+    if getattr(model, "_mpistrat_strategy", None) is strategy:
+        return model
+    cls = type(model)
+
+    def reduce_sum(tree):
+        return all_reduce_gradients(tree, strategy, "SUM")
+
+    def metrics_logs(metrics_variables):
+        with backend.StatelessScope(state_mapping=list(zip(model.metrics_variables,
+                                                           metrics_variables))):
+            return model.get_metrics_result()
+
+    def summed_deltas(old, new, present):
+        deltas = [jnp.where(present, n - o, jnp.zeros_like(o)) for o, n in zip(old, new)]
+        return deltas
+
+    def train_step(state, data):
+        trainable, non_trainable, optimizer_vars, metrics_vars = state
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        rows = _rows(x)
+        present = rows > 0   # a replica with 0 rows contributes nothing (static shape)
+        if present:
+            grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
+            (_, aux), grads = grad_fn(trainable, non_trainable, metrics_vars, x, y,
+                                      sample_weight, training=True,
+                                      optimizer_variables=optimizer_vars)
+            unscaled, y_pred, non_trainable, after_loss = aux
+            _, new_metrics = model._update_metrics_variables(after_loss, unscaled, x, y,
+                                                             y_pred, sample_weight)
+        else:
+            grads = jax.tree_util.tree_map(jnp.zeros_like, trainable)
+            new_metrics = metrics_vars
+        weight = jnp.asarray(rows, jnp.float32)
+        weighted = jax.tree_util.tree_map(
+            lambda g: jnp.where(present, g * weight.astype(g.dtype), jnp.zeros_like(g)), grads)
+        deltas = summed_deltas(metrics_vars, new_metrics, present)
+        weighted, total_rows, deltas = reduce_sum((weighted, weight, deltas))
+        grads = jax.tree_util.tree_map(
+            lambda g: g / jnp.maximum(total_rows, 1.0).astype(g.dtype), weighted)
+        trainable, optimizer_vars = model.optimizer.stateless_apply(optimizer_vars, grads,
+                                                                    trainable)
+        metrics_vars = [o + d for o, d in zip(metrics_vars, deltas)]
+        return metrics_logs(metrics_vars), (trainable, non_trainable, optimizer_vars,
+                                            metrics_vars)
+
+    def test_step(state, data):
+        trainable, non_trainable, metrics_vars = state
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        rows = _rows(x)
+        new_metrics = metrics_vars
+        if rows > 0:
+            _, aux = model.compute_loss_and_updates(trainable, non_trainable, metrics_vars, x,
+                                                    y, sample_weight, training=False)
+            unscaled, y_pred, non_trainable, after_loss = aux
+            _, new_metrics = model._update_metrics_variables(after_loss, unscaled, x, y,
+                                                             y_pred, sample_weight)
+        deltas = reduce_sum(summed_deltas(metrics_vars, new_metrics, rows > 0))
+        metrics_vars = [o + d for o, d in zip(metrics_vars, deltas)]
+        return metrics_logs(metrics_vars), (trainable, non_trainable, metrics_vars)
+
+    def share(x, y, sample_weight, batch_size, shuffle):
+        from mpistrat.data.distributed import DistributedDataset
+        if isinstance(x, DistributedDataset):   # already this rank's share of each batch
+            return _epochs_of(x), y, sample_weight, None
+        if not _is_arrays(x):
+            return x, y, sample_weight, batch_size
+        arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
+        seed = getattr(model, "keras_shuffle_seed", 0)
+        dataset = _RankShare(arrays, batch_size or 32, world.rank, world.size, shuffle, seed)
+        return dataset, None, None, None
+
+    def fit(x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+            validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
+            sample_weight=None, **kwargs):
+        if validation_split:
+            raise ValueError("model.fit under a strategy: validation_split is not supported; "
+                             "pass validation_data")
+        if validation_data is not None and _is_arrays(validation_data):
+            vx, vy, vw = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
+            vbatch = kwargs.get("validation_batch_size") or batch_size
+            validation_data = share(vx, vy, vw, vbatch, False)[0]
+            kwargs.pop("validation_batch_size", None)
+        x, y, sample_weight, batch_size = share(x, y, sample_weight, batch_size, shuffle)
+        return cls.fit(model, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
+                       callbacks=callbacks, validation_data=validation_data, shuffle=False,
+                       class_weight=class_weight, sample_weight=sample_weight, **kwargs)
+
+    def evaluate(x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
+                 **kwargs):
+        if kwargs.get("_use_cached_eval_dataset"):
+            return cls.evaluate(model, x, y, batch_size=batch_size, verbose=verbose,
+                                sample_weight=sample_weight, **kwargs)
+        x, y, sample_weight, batch_size = share(x, y, sample_weight, batch_size, False)
+        return cls.evaluate(model, x, y, batch_size=batch_size, verbose=verbose,
+                            sample_weight=sample_weight, **kwargs)
+
+    for name, fn in (("train_step", train_step), ("test_step", test_step), ("fit", fit),
+                     ("evaluate", evaluate)):
+        object.__setattr__(model, name, fn)
+    model.train_function = model.test_function = None
+    model._mpistrat_strategy = strategy
+    del keras
+    return model
+
+
+def _register() -> None:
+    from mpistrat.distribute.strategy import add_scope_hook
+    add_scope_hook(on_scope)
+
+
+_register()

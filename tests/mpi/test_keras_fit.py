@@ -1,0 +1,155 @@
+"""Keras 3 (JAX backend) ``model.fit``/``evaluate``/``predict`` for a model compiled inside
+``strategy.scope()`` (issue 16): NumPy arrays are cut into global batches, each rank takes its
+rebatch slice (20 rows in batches of 8: at 3 ranks 3/3/2 rows, then 2/2/0 in the short last
+batch), gradients are weighted by rows and summed, metrics summed. Every rank ends with the
+same weights, equal (rtol 1e-5) to one process training on the same global batches; evaluate
+gives the same loss on every rank; a CheckpointManager save between epochs resumes exactly."""
+
+import functools
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+keras = pytest.importorskip("keras")
+
+import mpistrat as ms  # noqa: E402
+
+pytestmark = pytest.mark.numpy_only("Keras values built here, whatever the kind")
+
+ROWS, BATCH = 20, 8
+
+
+@pytest.fixture
+def shared_dir(world, tmp_path_factory):
+    """One directory for all ranks (rank 0 picks it)."""
+    path = str(tmp_path_factory.mktemp("kerasfit")) if world.rank == 0 else None
+    return world.comm.bcast(path, root=0)
+
+
+def data():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((ROWS, 4)).astype(np.float32)
+    y = (x @ rng.standard_normal((4, 2)) + 0.1).astype(np.float32)
+    return x, y
+
+
+def build():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"),
+                              keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    return model
+
+
+def weights(model):
+    return [np.asarray(v.value) for v in model.weights]
+
+
+def same_on_every_rank(strategy, values):
+    for value in values:
+        stacked = np.asarray(strategy.gather(np.asarray(value)[None], axis=0))
+        for other in stacked:
+            np.testing.assert_array_equal(other, value)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(epochs):
+    """One process, no strategy, the same global batches (built once per run)."""
+    model = build()
+    x, y = data()
+    history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    return model, history
+
+
+@pytest.mark.mpi(min_size=1)
+def test_fit_matches_one_process_and_ranks_agree(world):
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x, y = data()
+    with strategy.scope():
+        model = build()
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    same_on_every_rank(strategy, weights(model))
+    single, single_history = reference(epochs=2)
+    for got, want in zip(weights(model), weights(single)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(history.history[key], single_history.history[key],
+                                   rtol=1e-5)
+        same_on_every_rank(strategy, [np.asarray(history.history[key])])
+    logs = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    want = single.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    same_on_every_rank(strategy, [np.float64(logs["loss"]), np.float64(logs["mae"])])
+    np.testing.assert_allclose(logs["loss"], want["loss"], rtol=1e-5)
+    predictions = model.predict(x, batch_size=BATCH, verbose=0)
+    assert predictions.shape == (ROWS, 2)
+    same_on_every_rank(strategy, [predictions])
+
+
+@pytest.mark.mpi(min_size=1)
+def test_shuffled_fit_is_the_same_on_every_rank(world):
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x, y = data()
+    with strategy.scope():
+        model = build()
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, validation_data=(x[:8], y[:8]))
+    same_on_every_rank(strategy, weights(model))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_checkpoint_manager_mid_fit_resumes_exactly(world, shared_dir):
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x, y = data()
+    with strategy.scope():
+        model = build()
+    ckpt = ms.Checkpoint(model=model, optimizer=model.optimizer)
+    manager = ms.CheckpointManager(ckpt, shared_dir, max_to_keep=2)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    manager.save()
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    with strategy.scope():
+        fresh = build()
+    restored = ms.Checkpoint(model=fresh, optimizer=fresh.optimizer)
+    restored.restore(manager.latest_checkpoint)
+    fresh.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(weights(fresh), weights(model)):
+        np.testing.assert_array_equal(got, want)
+    same_on_every_rank(strategy, weights(fresh))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_each_rank_trains_on_its_rebatch_slice(world):
+    from mpistrat.data.rebatch import rebatch_slices
+    from mpistrat.keras_support import _RankShare
+    x, y = data()
+    share = _RankShare((x, y), BATCH, world.rank, world.size, False, 0)
+    seen = [share[i] for i in range(len(share))]
+    assert len(seen) == 3
+    for index, (bx, by) in enumerate(seen):
+        lo, hi = rebatch_slices(min(BATCH, ROWS - index * BATCH), world.size)[world.rank]
+        np.testing.assert_array_equal(bx, x[index * BATCH + lo:index * BATCH + hi])
+        np.testing.assert_array_equal(by, y[index * BATCH + lo:index * BATCH + hi])
+    strategy = ms.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = build()
+    assert "train_step" in vars(model)   # the distributed step is used
+
+
+@pytest.mark.mpi(min_size=1)
+def test_fit_on_a_distributed_dataset_matches_arrays(world):
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x, y = data()
+    with strategy.scope():
+        model = build()
+    dataset = strategy.experimental_distribute_dataset(
+        ms.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+    history = model.fit(dataset, epochs=2, verbose=0)
+    single, single_history = reference(epochs=2)
+    for got, want in zip(weights(model), weights(single)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(history.history["loss"], single_history.history["loss"],
+                               rtol=1e-5)
+    logs = model.evaluate(dataset, verbose=0, return_dict=True)
+    want = single.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    np.testing.assert_allclose(logs["loss"], want["loss"], rtol=1e-5)

@@ -109,8 +109,12 @@ class HostMPI(Backend):
     def _reduce_one(self, comm, array, op, deadline, size, preference):
         """One tensor: no plan, no packing (the common case of scalars and large tensors)."""
         original = array if type(array) is np.ndarray else np.asarray(array)
-        if size == 1:   # one rank: every op gives the value itself (no widening, no rounding)
-            return np.array(original, copy=True)
+        if size == 1:   # one rank: every op gives the value itself, so its bytes travel
+            send = np.ascontiguousarray(original).reshape(original.shape)  # (0-d stays 0-d)
+            out = np.empty(send.shape, send.dtype)     # bytes as they are: no widening
+            host_allreduce(comm, send.reshape(-1).view(np.uint8),
+                           out.reshape(-1).view(np.uint8), ReduceOp.SUM, deadline, preference)
+            return out
         wire = _wire(original, op)
         out = default_pool().take(wire.shape, wire.dtype) if wire.nbytes >= _POOL_MIN_BYTES \
             else np.empty_like(wire)

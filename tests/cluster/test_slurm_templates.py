@@ -69,10 +69,10 @@ def test_cpu_training_template_trains_on_two_nodes(cluster, tmp_path):
 def test_preemptible_template_requeues_and_resumes(cluster, tmp_path):
     out = tmp_path / "preemptible.out"
     env = {"RUN_DIR": str(tmp_path / "run"), "DATA_DIR": str(tmp_path / "data"),
-           "TRAIN_ARGS": "--epochs 40"}
+           "TRAIN_ARGS": "--epochs 12"}
     job_id = _submit(cluster, ROOT / "slurm" / "train_preemptible.sbatch", out, env)
     try:
-        _wait_for(lambda: out.exists() and "epoch   2/40" in out.read_text(), 180,
+        _wait_for(lambda: out.exists() and "epoch   2/12" in out.read_text(), 180,
                   "the first epochs")
         # the warning signal of --signal=B:USR1@120, sent now: to the batch script
         cluster.script("run", "head", "scancel", "--signal=USR1", "--batch", job_id)

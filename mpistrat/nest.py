@@ -93,6 +93,12 @@ def _pack(structure: Any, leaves: List[Any], position: int):
 
 def map_structure(fn: Callable[..., Any], *structures: Any) -> Any:
     """Apply ``fn`` to the matching leaves of one or more structures."""
+    if len(structures) == 1:  # the per-step cases of input pipelines, without the walk
+        only = structures[0]
+        if not isinstance(only, (dict, list, tuple)):
+            return fn(only)
+        if type(only) is tuple and not any(isinstance(i, (dict, list, tuple)) for i in only):
+            return tuple(map(fn, only))
     flat = [flatten(s) for s in structures]
     if any(len(f) != len(flat[0]) for f in flat):
         raise ValueError("map_structure: the structures have different numbers of leaves")

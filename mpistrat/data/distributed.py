@@ -179,13 +179,18 @@ class DistributedIterator:
         except Exception as err:  # noqa: BLE001 - agreed with the other ranks, then raised
             return _END, Failure(err, self._engine.rank, "reading its input")
 
+    def _counted(self, flags: list) -> np.ndarray:
+        """How many ranks raise each flag: a float SUM over ranks (one collective, inside the
+        validation probe); one rank counts its own flags without a collective."""
+        flags = np.array(flags, np.float64)
+        return flags if self._engine.size == 1 else self._engine.all_reduce(flags, ReduceOp.SUM)
+
     def _step(self) -> Any:
         element, failure = self._next_local()
         if self._static:  # full batches only: stop when any rank has none left
             # ranks without a batch and ranks that failed, counted by a float SUM: it
             # travels inside the validation probe (one collective per step)
-            flags = self._engine.all_reduce(
-                np.array([element is _END, failure is not None], np.float64), ReduceOp.SUM)
+            flags = self._counted([element is _END, failure is not None])
             if flags[1]:
                 agree_errors(self._engine, failure, f"input step {self._steps}")
             if flags[0]:
@@ -197,9 +202,8 @@ class DistributedIterator:
         if not blank and not isinstance(element, Prepared):
             self._template = element
         needs = blank and self._template is None
-        flags = self._engine.all_reduce(  # counts of ranks with data / needing the layout /
-            np.array([element is not _END, needs, failure is not None],  # failing to read
-                     dtype=np.float64), ReduceOp.SUM)
+        # counts of ranks with data / needing the layout / failing to read
+        flags = self._counted([element is not _END, needs, failure is not None])
         if flags[2]:  # a rank could not read (a truncated file, say): every rank raises
             agree_errors(self._engine, failure, f"input step {self._steps}")
         if not flags[0]:

@@ -48,9 +48,12 @@ class Held:
         if not self.indices.size or not query.size:
             return None
         if self._table is not None:
-            if query.min() < 0 or query.max() >= self._table.size:
+            if query.min() < 0:
                 return None
-            where = self._table[query]
-            return where if (where >= 0).all() else None
+            try:
+                where = self._table[query]
+            except IndexError:   # beyond the index range
+                return None
+            return where if where.min() >= 0 else None
         where = np.minimum(np.searchsorted(self.indices, query), self.indices.size - 1)
         return where if (self.indices[where] == query).all() else None

@@ -39,7 +39,7 @@ __all__ = ["NO_LAYOUT", "DataLayout", "OffLayout", "FileLayout", "FunctionLayout
            "resume_step", "step_groups"]
 
 NO_LAYOUT = object()
-GROUP_ROWS = 1024      # rows a rank maps at once (several steps of a random-access pipeline)
+GROUP_ROWS = 256      # rows a rank maps at once (several steps of a random-access pipeline)
 GROUP_STEPS = 64
 READ_AHEAD_BYTES = 64 << 20   # records a rank reads ahead at once (sorted, coalesced runs)
 

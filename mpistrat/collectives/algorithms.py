@@ -176,6 +176,7 @@ def play(comm: MPI.Comm, steps: Sequence[Step], src: np.ndarray, out: np.ndarray
     scratch = default_pool().take((need,), out.dtype) if need else out[:0]
     record = _recording
     ranks = _world_ranks(comm) if record is not None else None
+    apart = not np.may_share_memory(src, out)   # (in place: views of one buffer)
     for step in steps:
         send, recv = step.send, step.recv
         if record is not None:
@@ -183,12 +184,20 @@ def play(comm: MPI.Comm, steps: Sequence[Step], src: np.ndarray, out: np.ndarray
         outgoing = incoming = None
         if send is not None:
             outgoing = (src if step.source == INPUT else out)[send[1]:send[2]]
+        direct = False
         if recv is not None:
             c, d = recv[1], recv[2]
-            incoming = out[c:d] if step.combine == PLACE else scratch[:d - c]
+            # a fresh combine out of place receives straight into its place and combines
+            # there (op is commutative): no scratch pass, the memory traffic of in place
+            direct = step.combine == PLACE or (apart and step.combine == FRESH and not (
+                send is not None and step.source != INPUT and send[1] < d and c < send[2]))
+            incoming = out[c:d] if direct else scratch[:d - c]
         _exchange(comm, outgoing, send and send[0], incoming, recv and recv[0], deadline, what)
         if recv is not None and step.combine != PLACE:
-            combine((src if step.combine == FRESH else out)[c:d], incoming, out=out[c:d])
+            if direct:
+                combine(incoming, src[c:d], out=incoming)
+            else:
+                combine((src if step.combine == FRESH else out)[c:d], incoming, out=out[c:d])
 
 
 def _ring_allreduce(comm, send, recv, op, deadline):

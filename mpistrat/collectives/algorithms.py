@@ -171,12 +171,12 @@ def play(comm: MPI.Comm, steps: Sequence[Step], src: np.ndarray, out: np.ndarray
     combined with ``op`` or placed, as each step says.
     """
     combine = _COMBINE[op]
+    apart = not np.may_share_memory(src, out)   # (in place: views of one buffer)
     need = max((s.recv[2] - s.recv[1] for s in steps if s.recv is not None
-                and s.combine != PLACE), default=0)
+                and s.combine != PLACE and not (apart and s.combine == FRESH)), default=0)
     scratch = default_pool().take((need,), out.dtype) if need else out[:0]
     record = _recording
     ranks = _world_ranks(comm) if record is not None else None
-    apart = not np.may_share_memory(src, out)   # (in place: views of one buffer)
     for step in steps:
         send, recv = step.send, step.recv
         if record is not None:
@@ -191,6 +191,8 @@ def play(comm: MPI.Comm, steps: Sequence[Step], src: np.ndarray, out: np.ndarray
             # there (op is commutative): no scratch pass, the memory traffic of in place
             direct = step.combine == PLACE or (apart and step.combine == FRESH and not (
                 send is not None and step.source != INPUT and send[1] < d and c < send[2]))
+            if not direct and scratch.size < d - c:   # (a fresh step that overlaps its send)
+                scratch = default_pool().take((d - c,), out.dtype)
             incoming = out[c:d] if direct else scratch[:d - c]
         _exchange(comm, outgoing, send and send[0], incoming, recv and recv[0], deadline, what)
         if recv is not None and step.combine != PLACE:

@@ -14,6 +14,7 @@ when ``MPISTRAT_TRACE=1``, runs, and rebuilds the structure::
 """
 
 import logging
+import math
 import operator
 import sys
 from typing import Any, Callable, Dict, List, Optional
@@ -114,6 +115,8 @@ class CollectiveEngine:
         self._id = _ENGINES[0] = _ENGINES[0] + 1
         self._backend_name = ""
         self._probe = Probe(comm)
+        self._folds_plain = self._folds()  # (its inputs are read once, above)
+        self._scalar_probes: Dict[tuple, tuple] = {}  # reduce_scalar's probes, by op and type
 
     # -- the common prologue -------------------------------------------------
     def _prologue(self, what: str, options: Optional[CommunicationOptions]):
@@ -218,6 +221,41 @@ class CollectiveEngine:
         if flat:
             return results if kind is list else tuple(results)
         return rebuild(results)
+
+    def reduce_scalar(self, op, value) -> Any:
+        """``all_reduce`` of a Python float (as a NumPy ``float64``) or of a NumPy scalar of a
+        ``FOLDABLE`` dtype (as a scalar of its dtype), or ``None`` where the value does not
+        ride in the validation probe (then ``all_reduce`` takes it): the scalar hot path of
+        ``Strategy.reduce`` (a loss, a count), one collective and no arrays. The result is
+        ``all_reduce``'s: summed in float64 (exact for these values), a MEAN divided (integers
+        truncated toward zero), rounded once to the dtype."""
+        kind = type(value)
+        try:
+            ready = self._scalar_probes.get((op, kind))  # by the op as given ("SUM", ...)
+        except TypeError:  # (an unhashable op: the long path names it)
+            return None
+        if ready is None:
+            if kind is not float and kind not in _FOLD_SCALARS:
+                return None
+            exact = ReduceOp.from_any(op)
+            if not self._folds_plain or exact not in _EXACT or len(self._scalar_probes) > 64:
+                return None
+            what = _ALL_REDUCE_WHAT[exact]
+            signature = _SCALAR_SIGNATURE if kind is float else _signature([value])
+            dtype = np.dtype(kind) if kind is not float else _FLOAT64
+            ready = self._scalar_probes[(op, kind)] = (
+                exact is ReduceOp.MEAN, dtype.kind in "iu", dtype.type, what, signature,
+                self._probe.ready(what, signature))
+        if timeline.ON or self._broken:
+            return None  # (all_reduce records the call, or refuses it)
+        self._calls += 1
+        mean, integer, make, what, signature, probe = ready
+        if self._trace:
+            self._trace_fold(what, 1)
+        total = self._probe.sum_ready(probe, what, signature, float(value))
+        if mean:
+            total = math.trunc(total / self.size) if integer else total / self.size
+        return make(total)
 
     # -- the validated small SUM: the probe carries the values (validation.Probe) --------
     def _folds(self, options: Optional[CommunicationOptions] = None) -> bool:
@@ -420,6 +458,7 @@ def _axis_or_none(axis: int, ndim: int) -> Optional[int]:
 
 _SCALAR_SIGNATURE = _signature([np.float64(0.0)])  # a Python float's, as the long path builds it
 _SCALAR_SIGNATURES: Dict[np.dtype, tuple] = {}
+_FLOAT64 = np.dtype(np.float64)
 _FOLD_SCALARS = frozenset(d.type for d in FOLDABLE)
 _HOST_CAPS = Capabilities(cuda_aware_mpi=False, nccl=False)  # NumPy needs no detection
 _HOST_BACKEND = select_backend("numpy", CommunicationImplementation.AUTO, _HOST_CAPS)

@@ -180,6 +180,7 @@ class Probe:
         self.recv = array("d", [0.0] * PROBE_SLOTS)
         self.send_values = np.frombuffer(self.send, dtype=np.float64)
         self.recv_values = np.frombuffer(self.recv, dtype=np.float64)
+        self._ready: Dict[tuple, Tuple[array, array]] = {}  # sum_scalar's probes, by call kind
 
     def sum_with(self, what: str, signature: Signature, deadline: Optional[Deadline],
                  values: np.ndarray) -> np.ndarray:
@@ -201,15 +202,31 @@ class Probe:
         return self.recv_values[:count]
 
     def sum_scalar(self, what: str, signature: Signature, value: float) -> float:
-        """``sum_with`` for one Python float and no deadline: the scalar hot path."""
+        """``sum_with`` for one Python float and no deadline: the scalar hot path (a probe
+        kept ready per call kind, so only its value slot is written)."""
+        ready = self._ready.get((what, signature))
+        if ready is None:
+            if len(self._ready) > 64:
+                self._ready.clear()
+            ready = self._ready[(what, signature)] = self.ready(what, signature)
+        return self.sum_ready(ready, what, signature, value)
+
+    def ready(self, what: str, signature: Signature) -> Tuple[array, array]:
+        """A probe of ``what`` and ``signature`` (untimed) to pass to ``sum_ready``, and the
+        hash slots every rank expects back."""
         template, expected = _template(what, signature, False, self.size)
-        send = self.send
-        send[:] = template
+        return array("d", template), expected
+
+    def sum_ready(self, ready: Tuple[array, array], what: str, signature: Signature,
+                  value: float) -> float:
+        """The SUM over ranks of one float in a ``ready`` probe, validated (one collective)."""
+        send, expected = ready
         send[0] = value
-        self.comm.Iallreduce(send, self.recv, MPI.SUM).Wait()
-        if self.recv[PAYLOAD_SLOTS:] != expected:
+        recv = self.recv
+        self.comm.Iallreduce(send, recv, MPI.SUM).Wait()
+        if recv[PAYLOAD_SLOTS:] != expected:
             _raise_mismatch(self.comm, what, signature, False)
-        return self.recv[0]
+        return recv[0]
 
 
 # Dtypes whose values, and sums of them over any realistic number of ranks, float64 holds

@@ -214,6 +214,10 @@ class Strategy:
         ``MEAN`` sums in 64 bits and truncates toward zero (``collectives/dtypes.py``).
         """
         self._require_cross_replica("reduce")
+        if axis is None and len(self._extended.local_replica_ids) == 1:
+            total = self._extended.engine.reduce_scalar(reduce_op, value)  # a loss, a count
+            if total is not None:
+                return total
         op = ReduceOp.from_any(reduce_op)
         if axis is None and len(self._extended.local_replica_ids) == 1:  # the common case
             return scalars_to_numpy(self._extended.engine.all_reduce(_local(value), op))

@@ -1,0 +1,102 @@
+"""``Strategy.reduce`` of one scalar (a Python float or a NumPy scalar of a foldable dtype)
+takes the engine's scalar hot path (``CollectiveEngine.reduce_scalar``): the same values and
+types as the long path, the same agreement with ranks that take the long path, and the same
+error on every rank when ranks disagree."""
+
+import math
+
+import numpy as np
+import pytest
+
+import mpistrat as ms
+from mpistrat.collectives import CollectiveEngine
+from mpistrat.errors import InvalidArgumentError
+from mpistrat.runtime import timeline
+
+DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.uint8,
+          np.uint16, np.uint32]
+
+
+def _value(dtype, rank):
+    """A value per rank that is exact in ``dtype`` (and odd, so integer MEANs truncate)."""
+    if np.dtype(dtype).kind == "f":
+        return dtype(0.25 * (rank + 1) + 3.0)   # dyadic: every sum exact in float64
+    return dtype(2 * rank + 3 if np.dtype(dtype).kind == "u" else -(2 * rank + 3))
+
+
+def _expected(dtype, op, values):
+    total = math.fsum(float(v) for v in values)
+    if op == "MEAN":
+        total = total / len(values)
+        if np.dtype(dtype).kind in "iu":
+            total = math.trunc(total)
+    return dtype(total)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("op", ["SUM", "MEAN", ms.ReduceOp.SUM, "mean"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_numpy_scalars_keep_their_type_and_value(world, op, dtype):
+    strategy = ms.MultiWorkerMirroredStrategy()
+    values = [_value(dtype, r) for r in range(world.size)]
+    name = op.name if isinstance(op, ms.ReduceOp) else op.upper()
+    got = strategy.reduce(op, values[world.rank], axis=None)
+    want = _expected(dtype, name, values)
+    assert type(got) is dtype and got == want, (got, want)
+    # the long path (an array of one value, reshaped) gives the same bits
+    long = strategy.reduce(op, np.array([values[world.rank]]), axis=None)
+    assert long.dtype == dtype and long[0] == got
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+def test_python_floats_and_the_timeline(world, op):
+    strategy = ms.MultiWorkerMirroredStrategy()
+    value = 0.25 * world.rank + 1.0   # dyadic: every sum exact
+    want = math.fsum(0.25 * r + 1.0 for r in range(world.size))
+    want = want / world.size if op == "MEAN" else want
+    got = strategy.reduce(op, value, axis=None)
+    assert type(got) is np.float64 and got == want
+    with timeline.recording() as events:  # recorded: the long path, the same result
+        again = strategy.reduce(op, value, axis=None)
+    assert type(again) is np.float64 and again == got
+    assert any("all_reduce" in str(e) for e in events)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_hot_path_meets_the_long_path_on_other_ranks(world):
+    """Rank 0 reduces through the strategy (hot path), the others through the engine's
+    all_reduce (the long path): one collective, the same sum everywhere."""
+    strategy = ms.MultiWorkerMirroredStrategy()
+    engine = strategy.extended.engine
+    value = np.float32(world.rank + 0.5)
+    got = strategy.reduce("SUM", value, axis=None) if world.rank == 0 else \
+        engine.all_reduce(value, "SUM")[()]
+    assert got == np.float32(sum(r + 0.5 for r in range(world.size)))
+    assert got.dtype == np.float32
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_disagree_raise_together(world):
+    strategy = ms.MultiWorkerMirroredStrategy()
+    value = np.float32(1.0) if world.rank == 0 else np.float64(1.0)
+    with pytest.raises(InvalidArgumentError, match="rank 0 has float32"):
+        strategy.reduce("SUM", value, axis=None)
+    op = "SUM" if world.rank == 0 else "MEAN"
+    with pytest.raises(InvalidArgumentError, match="different collectives"):
+        strategy.reduce(op, 1.0, axis=None)
+    assert strategy.reduce("SUM", 2.0, axis=None) == 2.0 * world.size  # still usable
+
+
+@pytest.mark.mpi(min_size=1)
+def test_what_does_not_fold_takes_the_long_path(world):
+    engine = CollectiveEngine(world.comm)
+    assert engine.reduce_scalar("MAX", 1.0) is None
+    assert engine.reduce_scalar("SUM", np.int64(1)) is None      # int64 sums may not be exact
+    assert engine.reduce_scalar("SUM", np.ones(1)) is None
+    assert engine.reduce_scalar(["SUM"], 1.0) is None            # unhashable: named elsewhere
+    strategy = ms.MultiWorkerMirroredStrategy()
+    assert strategy.reduce("MAX", float(world.rank), axis=None) == world.size - 1
+    assert strategy.reduce("SUM", np.int64(2), axis=None) == 2 * world.size
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        strategy.reduce("AVERAGE", 1.0, axis=None)

@@ -17,7 +17,7 @@ import logging
 import math
 import operator
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -117,6 +117,7 @@ class CollectiveEngine:
         self._probe = Probe(comm)
         self._folds_plain = self._folds()  # (its inputs are read once, above)
         self._scalar_probes: Dict[tuple, tuple] = {}  # reduce_scalar's probes, by op and type
+        self._flag_probes: Dict[int, tuple] = {}      # count_ranks' probes, by flag count
 
     # -- the common prologue -------------------------------------------------
     def _prologue(self, what: str, options: Optional[CommunicationOptions]):
@@ -256,6 +257,25 @@ class CollectiveEngine:
         if mean:
             total = math.trunc(total / self.size) if integer else total / self.size
         return make(total)
+
+    def count_ranks(self, flags: Sequence[bool]) -> Sequence[float]:
+        """How many ranks raise each of a few flags: the float64 SUM of ``flags`` over ranks
+        (what ``all_reduce`` of ``np.array(flags, np.float64)`` gives, one collective in
+        the validation probe), from a probe kept ready per flag count: the per-step
+        lockstep of distributed datasets."""
+        count = len(flags)
+        ready = self._flag_probes.get(count)
+        if ready is None or timeline.ON or self._broken:
+            if ready is None and self._folds_plain and 0 < count <= PAYLOAD_SLOTS:
+                signature = _signature([np.zeros(count)])
+                self._flag_probes[count] = (signature, self._probe.ready(
+                    _ALL_REDUCE_WHAT[ReduceOp.SUM], signature))
+            return self.all_reduce(np.array(flags, np.float64), ReduceOp.SUM)
+        self._calls += 1
+        signature, probe = ready
+        if self._trace:
+            self._trace_fold(_ALL_REDUCE_WHAT[ReduceOp.SUM], count)
+        return self._probe.sum_values(probe, _ALL_REDUCE_WHAT[ReduceOp.SUM], signature, flags)
 
     # -- the validated small SUM: the probe carries the values (validation.Probe) --------
     def _folds(self, options: Optional[CommunicationOptions] = None) -> bool:

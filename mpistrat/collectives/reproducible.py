@@ -94,12 +94,29 @@ def _real(array: np.ndarray) -> np.ndarray:
     return array
 
 
+# Elements per block of a pass that reads a buffer twice (max then min; add then subtract):
+# the second read hits the core's cache (256 KiB of float32).
+_BLOCK = 1 << 16
+
+
+def _max_min(flat: np.ndarray):
+    """``(flat.max(), flat.min())``, block by block so the second pass reads from cache."""
+    if flat.size <= _BLOCK:
+        return flat.max(), flat.min()
+    highs, lows = [], []
+    for start in range(0, flat.size, _BLOCK):
+        block = flat[start:start + _BLOCK]
+        highs.append(block.max())
+        lows.append(block.min())
+    return max(highs), min(lows)
+
+
 def max_exponent(array: np.ndarray) -> int:
     """``e`` with ``max|x| < 2**e`` (``ZERO`` if all zero or empty, ``NONFINITE``)."""
     array = _real(array)
     if array.size == 0:
         return ZERO
-    high, low = array.max(), array.min()
+    high, low = _max_min(array.reshape(-1))
     if not (np.isfinite(high) and np.isfinite(low)):
         return NONFINITE
     biggest = max(float(high), -float(low))
@@ -170,8 +187,11 @@ def to_fixed(array: np.ndarray, exponent: int, fraction_bits: int, wire,
         step = exponent - fraction_bits
         magic = wire.type(1.5 * 2.0 ** (step + _SIGNIFICAND[wire.itemsize] - 1))
         grid = pool.take(real.shape, wire)
-        np.add(real, magic, out=grid)
-        np.subtract(grid, magic, out=grid)
+        flat_in, flat_out = real.reshape(-1), grid.reshape(-1)
+        for start in range(0, flat_out.size, _BLOCK):  # block by block: subtract from cache
+            block = flat_out[start:start + _BLOCK]
+            np.add(flat_in[start:start + _BLOCK], magic, out=block)
+            np.subtract(block, magic, out=block)
         return grid if axis is None else np.sum(grid, axis=axis, dtype=wire)
     scaled = _scaled(real, fraction_bits - exponent, out=pool.take(real.shape, real.dtype))
     fixed = pool.take(real.shape, wire)  # pooled: reused once the caller drops it

@@ -217,6 +217,18 @@ class Probe:
         template, expected = _template(what, signature, False, self.size)
         return array("d", template), expected
 
+    def sum_values(self, ready: Tuple[array, array], what: str, signature: Signature,
+                   values: Sequence[float]) -> array:
+        """``sum_ready`` for a few values (at most ``PAYLOAD_SLOTS``): their sums (a copy)."""
+        send, expected = ready
+        for index, value in enumerate(values):
+            send[index] = value
+        recv = self.recv
+        self.comm.Iallreduce(send, recv, MPI.SUM).Wait()
+        if recv[PAYLOAD_SLOTS:] != expected:
+            _raise_mismatch(self.comm, what, signature, False)
+        return recv[:len(values)]
+
     def sum_ready(self, ready: Tuple[array, array], what: str, signature: Signature,
                   value: float) -> float:
         """The SUM over ranks of one float in a ``ready`` probe, validated (one collective)."""

@@ -45,7 +45,6 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from mpistrat.collectives import ReduceOp
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.data import layouts, ops, shuffles
 from mpistrat.data.dataset import Dataset, TensorSpec
@@ -179,11 +178,10 @@ class DistributedIterator:
         except Exception as err:  # noqa: BLE001 - agreed with the other ranks, then raised
             return _END, Failure(err, self._engine.rank, "reading its input")
 
-    def _counted(self, flags: list) -> np.ndarray:
+    def _counted(self, flags: list):
         """How many ranks raise each flag: a float SUM over ranks (one collective, inside the
         validation probe); one rank counts its own flags without a collective."""
-        flags = np.array(flags, np.float64)
-        return flags if self._engine.size == 1 else self._engine.all_reduce(flags, ReduceOp.SUM)
+        return flags if self._engine.size == 1 else self._engine.count_ranks(flags)
 
     def _step(self) -> Any:
         element, failure = self._next_local()

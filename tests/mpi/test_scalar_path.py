@@ -100,3 +100,22 @@ def test_what_does_not_fold_takes_the_long_path(world):
     assert strategy.reduce("SUM", np.int64(2), axis=None) == 2 * world.size
     with pytest.raises(ValueError, match="unknown reduce op"):
         strategy.reduce("AVERAGE", 1.0, axis=None)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_count_ranks_is_the_float64_sum_of_the_flags(world):
+    """The datasets' per-step lockstep (``count_ranks``) counts each flag over ranks, meets
+    ranks that all-reduce the same flags as an array, and refuses a different flag count."""
+    engine = CollectiveEngine(world.comm)
+    flags = [world.rank == 0, True, world.rank % 2 == 1]
+    for _ in range(2):  # the first call makes the ready probe, the second uses it
+        counts = engine.count_ranks(flags)
+        assert list(counts) == [1.0, float(world.size), float(world.size // 2)]
+    if world.size == 1:
+        return
+    mixed = engine.count_ranks(flags) if world.rank == 0 else \
+        engine.all_reduce(np.array(flags, np.float64), "SUM")
+    assert list(mixed) == [1.0, float(world.size), float(world.size // 2)]
+    with pytest.raises(InvalidArgumentError, match="tensor 0"):
+        engine.count_ranks(flags if world.rank == 0 else flags[:2])
+    assert list(engine.count_ranks([True])) == [float(world.size)]  # still usable

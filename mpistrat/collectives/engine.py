@@ -118,6 +118,7 @@ class CollectiveEngine:
         self._folds_plain = self._folds()  # (its inputs are read once, above)
         self._scalar_probes: Dict[tuple, tuple] = {}  # reduce_scalar's probes, by op and type
         self._flag_probes: Dict[int, tuple] = {}      # count_ranks' probes, by flag count
+        self._small_probes: Dict[tuple, tuple] = {}   # small arrays', by op, dtype, shape
 
     # -- the common prologue -------------------------------------------------
     def _prologue(self, what: str, options: Optional[CommunicationOptions]):
@@ -231,6 +232,8 @@ class CollectiveEngine:
         ``all_reduce``'s: summed in float64 (exact for these values), a MEAN divided (integers
         truncated toward zero), rounded once to the dtype."""
         kind = type(value)
+        if kind is np.ndarray:
+            return self._reduce_small(op, value)
         try:
             ready = self._scalar_probes.get((op, kind))  # by the op as given ("SUM", ...)
         except TypeError:  # (an unhashable op: the long path names it)
@@ -257,6 +260,39 @@ class CollectiveEngine:
         if mean:
             total = math.trunc(total / self.size) if integer else total / self.size
         return make(total)
+
+    def _reduce_small(self, op, array: np.ndarray) -> Optional[np.ndarray]:
+        """``reduce_scalar`` for a NumPy array of 1 to ``PAYLOAD_SLOTS`` values of a
+        ``FOLDABLE`` dtype (at least one dimension): a new array of its dtype and shape."""
+        try:
+            ready = self._small_probes.get((op, array.dtype, array.shape))
+        except TypeError:
+            return None
+        if ready is None:
+            if not (0 < array.size <= PAYLOAD_SLOTS and array.ndim and array.dtype in FOLDABLE):
+                return None
+            exact = ReduceOp.from_any(op)
+            if not self._folds_plain or exact not in _EXACT or len(self._small_probes) > 64:
+                return None
+            what = _ALL_REDUCE_WHAT[exact]
+            signature = _signature([array])
+            ready = self._small_probes[(op, array.dtype, array.shape)] = (
+                exact, what, signature, self._probe.ready(what, signature))
+        if timeline.ON or self._broken:
+            return None
+        self._calls += 1
+        exact, what, signature, probe = ready
+        if self._trace:
+            self._trace_fold(what, array.size)
+        sums = self._probe.sum_array(probe, what, signature, array).reshape(array.shape)
+        if exact is ReduceOp.MEAN and array.dtype.kind in "iu":
+            return fold_result(sums.copy(), exact, self.size, array.dtype)
+        out = np.empty(array.shape, array.dtype)  # the sums (a MEAN divided), rounded once
+        if exact is ReduceOp.MEAN:
+            np.divide(sums, self.size, out=out, casting="unsafe")
+        else:
+            np.copyto(out, sums, casting="unsafe")
+        return out
 
     def count_ranks(self, flags: Sequence[bool]) -> Sequence[float]:
         """How many ranks raise each of a few flags: the float64 SUM of ``flags`` over ranks

@@ -229,6 +229,19 @@ class Probe:
             _raise_mismatch(self.comm, what, signature, False)
         return recv[:len(values)]
 
+    def sum_array(self, ready: Tuple[array, array], what: str, signature: Signature,
+                  values: np.ndarray) -> np.ndarray:
+        """``sum_ready`` for a small array (at most ``PAYLOAD_SLOTS`` values): the float64
+        sums, flat (a view valid until the next call)."""
+        send, expected = ready
+        count = values.size
+        np.copyto(np.frombuffer(send, dtype=np.float64, count=count), values.reshape(-1))
+        recv = self.recv
+        self.comm.Iallreduce(send, recv, MPI.SUM).Wait()
+        if recv[PAYLOAD_SLOTS:] != expected:
+            _raise_mismatch(self.comm, what, signature, False)
+        return self.recv_values[:count]
+
     def sum_ready(self, ready: Tuple[array, array], what: str, signature: Signature,
                   value: float) -> float:
         """The SUM over ranks of one float in a ``ready`` probe, validated (one collective)."""

@@ -93,7 +93,9 @@ def test_what_does_not_fold_takes_the_long_path(world):
     engine = CollectiveEngine(world.comm)
     assert engine.reduce_scalar("MAX", 1.0) is None
     assert engine.reduce_scalar("SUM", np.int64(1)) is None      # int64 sums may not be exact
-    assert engine.reduce_scalar("SUM", np.ones(1)) is None
+    assert engine.reduce_scalar("SUM", np.ones(11)) is None      # more than the probe holds
+    assert engine.reduce_scalar("SUM", np.array(1.0)) is None    # 0-d: scalars come back
+    assert engine.reduce_scalar("SUM", np.ones(2, np.int64)) is None
     assert engine.reduce_scalar(["SUM"], 1.0) is None            # unhashable: named elsewhere
     strategy = ms.MultiWorkerMirroredStrategy()
     assert strategy.reduce("MAX", float(world.rank), axis=None) == world.size - 1
@@ -119,3 +121,24 @@ def test_count_ranks_is_the_float64_sum_of_the_flags(world):
     with pytest.raises(InvalidArgumentError, match="tensor 0"):
         engine.count_ranks(flags if world.rank == 0 else flags[:2])
     assert list(engine.count_ranks([True])) == [float(world.size)]  # still usable
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("op", ["SUM", "MEAN"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_small_arrays_ride_in_the_probe_with_the_long_paths_values(world, op, dtype):
+    """A NumPy array of at most 10 values: the same values, dtype and shape as the long path
+    (a timed call never folds) and a new array each time (the probe's buffers are reused)."""
+    strategy = ms.MultiWorkerMirroredStrategy()
+    engine = strategy.extended.engine
+    mine = np.array([[_value(dtype, world.rank + k) for k in range(3)] for _ in range(2)],
+                    dtype=dtype)
+    fast = strategy.reduce(op, mine, axis=None)
+    long = engine.all_reduce(mine, op, ms.CommunicationOptions(timeout_seconds=60.0))
+    assert fast.dtype == dtype and fast.shape == (2, 3)
+    np.testing.assert_array_equal(fast, long)
+    columns = [[_value(dtype, r + k) for r in range(world.size)] for k in range(3)]
+    np.testing.assert_array_equal(fast[0], [_expected(dtype, op, c) for c in columns])
+    again = strategy.reduce(op, mine, axis=None)
+    assert again is not fast
+    np.testing.assert_array_equal(fast, again)

@@ -219,8 +219,9 @@ def render_tuning(tuning: Optional[dict]) -> List[str]:
     lines = ["", f"tuning table: {tuning['source']}"]
     for row in tuning["entries"]:
         times = ", ".join(f"{n} {t * 1e6:.0f} us" for n, t in row["times"].items())
+        online = ", ".join(f"{n} {t * 1e6:.0f} us" for n, t in row.get("online", {}).items())
         lines.append(f"  {row['class']}-byte {_bytes(row['bytes']):>8}  {row['algorithm']:<13}"
-                     f"{times}")
+                     f"{times}" + (f"; in real calls: {online}" if online else ""))
     return lines
 
 

@@ -126,7 +126,7 @@ def _decide(comm) -> Dict:
         path = settings.get("MPISTRAT_TUNING_FILE")
         overridden = [n for n in _OVERRIDES if settings.is_set(n)]
         decision = {"mode": mode, "path": path, "table": None, "warning": None,
-                    "why": None}
+                    "why": None, "refine": settings.get("MPISTRAT_TUNING_REFINE")}
         if mode == "off":
             decision["why"] = "MPISTRAT_TUNING=off: the static rules"
         elif overridden:
@@ -172,11 +172,12 @@ def _settle(comm, decision: Dict):
                       stacklevel=3)
     if decision["why"]:
         return decision["why"]
-    if decision["table"] is not None:
-        return decision["table"]
-    table = calibrate(comm)
-    if decision["path"] is not None:
-        _write(comm, decision["path"], table)
+    table = decision["table"]
+    if table is None:
+        table = calibrate(comm)
+        if decision["path"] is not None:
+            _write(comm, decision["path"], table)
+    table.refine_calls = decision["refine"]  # rank 0's value: every rank refines alike
     return table
 
 

@@ -85,6 +85,11 @@ class TuningTable:
     source: str = ""
     times: Dict[Tuple[int, int], Dict[str, float]] = field(default_factory=dict)
     seconds: float = 0.0
+    # online refinement (collectives/refinement.py): real calls per trial (0: off), the
+    # trials in progress, and the real means of the buckets that settled
+    refine_calls: int = 0
+    trials: Dict[Tuple[int, int], object] = field(default_factory=dict)
+    online: Dict[Tuple[int, int], Dict[str, float]] = field(default_factory=dict)
 
     def choose(self, nbytes: int, itemsize: int) -> Optional[str]:
         """The measured choice for a buffer, or ``None`` where the static rules apply."""
@@ -95,13 +100,19 @@ class TuningTable:
 
     def rows(self) -> List[Dict]:
         """One row per measured entry (for ``info`` and the file): class, bytes, choice, times."""
-        return [{"class": c, "bytes": b, "algorithm": self.choices[(c, b)],
+        rows = [{"class": c, "bytes": b, "algorithm": self.choices[(c, b)],
                  "times": {n: round(t, 9) for n, t in sorted(self.times.get((c, b), {}).items())}}
                 for c, b in sorted(self.choices)]
+        for row in rows:
+            online = self.online.get((row["class"], row["bytes"]))
+            if online:   # refined by real calls (shown by info; the file keeps calibrations)
+                row["online"] = {n: round(t, 9) for n, t in sorted(online.items())}
+        return rows
 
     def to_json(self) -> Dict:
+        rows = [{k: v for k, v in row.items() if k != "online"} for row in self.rows()]
         return {"key": self.key, "calibration_seconds": round(self.seconds, 3),
-                "entries": self.rows()}
+                "entries": rows}
 
 
 def host_type() -> str:

@@ -109,6 +109,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nonnegative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
 def _choice(*options: str) -> Callable[[str], str]:
     def parse(text: str) -> str:
         lowered = text.strip().lower()
@@ -199,6 +206,10 @@ SETTINGS = (
     Setting("MPISTRAT_TUNING_BUDGET", parse_seconds, 2.0, _SECONDS + "; unset means 2",
             "the most seconds one calibration spends (it stops before a bucket that would "
             "not fit)"),
+    Setting("MPISTRAT_TUNING_REFINE", _nonnegative_int, 64, "an integer >= 0; 0 turns it off; "
+            "unset means 64",
+            "real all-reduces per algorithm tried when refining a tuning table online "
+            "(collectives/refinement.py)"),
     Setting("MPISTRAT_BUFFER_POOL_BYTES", parse_bytes, 1 << 30,
             _BYTE_COUNT + "; 0 disables; unset means 1GiB",
             "memory kept for reusing result buffers"),

@@ -102,6 +102,7 @@ def test_the_second_run_uses_the_cached_table_without_calibrating(comm, shared_p
         monkeypatch.setattr(calibration, "calibrate", refuse)
         second = calibration.table_for(second_comm)
         assert second.source == f"file {shared_path}" and second.choices == first.choices
+        assert first.refine_calls == second.refine_calls == 64   # MPISTRAT_TUNING_REFINE
         assert calibration.describe(second_comm)["source"] == second.source
     finally:
         second_comm.Free()
@@ -137,3 +138,64 @@ def test_forcing_each_algorithm_through_the_table_gives_the_same_sums(comm, algo
     forced = engine.all_reduce(np.ones(1 << 16), "SUM",
                                CommunicationOptions(algorithm="reduce_broadcast"))
     np.testing.assert_array_equal(forced, np.full(1 << 16, float(comm.Get_size())))
+
+
+# -- online refinement (collectives/refinement.py) ----------------------------------------
+from mpistrat.collectives import refinement  # noqa: E402
+
+
+@pytest.mark.parametrize("timed", [False, True])
+def test_real_calls_refine_a_bucket_to_one_choice_on_every_rank(comm, timed):
+    """A table whose 64 KiB float32 choice is the ring, with MPI's own calibrated close and
+    rabenseifner far: 3 real calls of the ring, 3 of MPI's own, then the faster of their
+    agreed real means everywhere, rabenseifner never tried; every sum stays exact."""
+    key = (4, 1 << 16)
+    table = tuning.TuningTable({}, {key: "ring"}, "test",
+                               {key: {"mpi": 1.0, "ring": 0.9, "rabenseifner": 5.0}})
+    table.refine_calls = 3
+    calibration.install(comm, table)
+    engine = CollectiveEngine(comm)
+    options = CommunicationOptions(timeout_seconds=60.0) if timed else None
+    value = np.arange(1 << 14, dtype=np.float32) + comm.Get_rank()
+    expected = np.empty_like(value)
+    comm.Allreduce(value, expected)
+    for call in range(8):
+        np.testing.assert_array_equal(engine.all_reduce(value, "SUM", options), expected)
+        if comm.Get_size() > 1 and call == 2:   # the ring's trial is over: MPI's own runs
+            assert table.trials[key].current == "mpi" and not table.trials[key].settled
+    if comm.Get_size() == 1:
+        assert not table.trials   # one rank: nothing to tune, nothing timed
+        return
+    trial = table.trials[key]
+    assert trial.settled and set(trial.measured) == {"ring", "mpi"}
+    assert table.online[key] == trial.measured and table.choices[key] == trial.current
+    everyone = comm.allgather((table.choices[key], table.online[key]))
+    assert all(entry == everyone[0] for entry in everyone)   # the same choice and means
+    row = [r for r in table.rows() if (r["class"], r["bytes"]) == key][0]
+    assert row["online"] == {n: round(t, 9) for n, t in trial.measured.items()}
+    assert "online" not in table.to_json()["entries"][0]     # the file keeps calibrations
+
+
+def test_refinement_agrees_when_ranks_time_differently(comm):
+    """Each rank feeds its own real timings (rank 0 sees MPI's own slow, the others fast):
+    the MAX agreement gives every rank the same means and the same choice."""
+    rank = comm.Get_rank()
+    trial = refinement.BucketTrial("mpi", {"mpi": 1.0, "ring": 1.2}, calls=2)
+    for algorithm, mine in (("mpi", 3.0 if rank == 0 else 1.0), ("ring", 2.0)):
+        assert trial.current == algorithm
+        assert [trial.record(mine), trial.record(mine)] == [False, True]
+        trial.decide(refinement._agreed_max(comm, trial.mean(), None))
+    everyone = comm.allgather((trial.current, trial.measured))
+    assert all(entry == everyone[0] for entry in everyone)
+    assert trial.settled and trial.current == "ring"   # 2.0 beats MPI's own agreed 3.0
+    assert trial.measured == {"mpi": 3.0, "ring": 2.0}
+
+
+def test_refinement_off_keeps_the_calibrated_choice(comm):
+    key = (4, 1 << 16)
+    table = tuning.TuningTable({}, {key: "ring"}, "test", {key: {"mpi": 1.0, "ring": 0.9}})
+    calibration.install(comm, table)      # refine_calls 0: off
+    engine = CollectiveEngine(comm)
+    for _ in range(4):
+        engine.all_reduce(np.ones(1 << 14, np.float32), "SUM")
+    assert table.choices[key] == "ring" and not table.trials and not table.online

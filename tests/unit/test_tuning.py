@@ -101,3 +101,23 @@ def test_info_renders_the_table_and_its_source():
     lines = render_tuning({"source": "file /x.json", "entries": _table().rows()})
     assert lines[1] == "tuning table: file /x.json"
     assert any("4 MiB" in line and "ring" in line and "mpi 2000000 us" in line for line in lines)
+
+
+def test_info_shows_the_real_means_of_a_refined_bucket():
+    from mpistrat.__main__ import render_tuning
+    table = _table()
+    table.online[(4, 4 << 20)] = {"mpi": 0.003, "ring": 0.004}
+    lines = render_tuning({"source": "calibrated", "entries": table.rows()})
+    assert any("4 MiB" in line and "in real calls: mpi 3000 us, ring 4000 us" in line
+               for line in lines)
+    assert all("online" not in row for row in table.to_json()["entries"])
+
+
+def test_a_trial_tries_only_algorithms_calibrated_near_the_choice():
+    from mpistrat.collectives.refinement import BucketTrial
+    trial = BucketTrial("mpi", {"mpi": 1.0, "ring": 1.4, "rabenseifner": 1.6}, calls=1)
+    assert trial.queue == ["ring"] and not trial.settled
+    assert trial.record(0.5) and trial.decide(0.5) == "ring"
+    assert trial.record(0.48) and trial.decide(0.48) == "mpi"   # not 5% better: MPI's own
+    assert trial.settled and trial.measured == {"mpi": 0.5, "ring": 0.48}
+    assert BucketTrial("ring", {}, calls=4).settled   # nothing calibrated: nothing to try

@@ -28,6 +28,7 @@ from mpistrat.collectives.tuning import BUCKETS
 from mpistrat.collectives.dtypes import from_wire, to_wire
 from mpistrat.collectives.deadline import wait_all
 from mpistrat.collectives.packing import fused_all_reduce
+from mpistrat.collectives.refinement import run_refined
 from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
 from mpistrat.collectives.topology import comm_topology
 
@@ -63,21 +64,25 @@ def host_allreduce(comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp, deadl
                                   piece, op, deadline, preference)
         return name
     size = comm.Get_size()
-    algorithm = None
+
+    def run(algorithm: str) -> None:
+        if algorithm == "hierarchical":
+            hierarchical.host_allreduce(comm, send, recv, op, deadline)
+        else:
+            allreduce(comm, send, recv, op, deadline, algorithm)
+
     if size > 1 and preference == "auto" and send.nbytes >= _TUNED_FROM:
         table = table_for(comm, deadline)  # measured choices (collectives/calibration.py)
-        if table is not None:
-            algorithm = table.choose(send.nbytes, send.itemsize)
-    if algorithm is None:
-        # the topology matters only where the size rules leave a choice (it is measured once)
-        needs_topology = size > 1 and preference == "auto" and \
-            0 <= RING_THRESHOLD_BYTES <= send.nbytes
-        topology = comm_topology(comm, deadline) if needs_topology else None
-        algorithm = choose_algorithm(send.nbytes, size, topology=topology, preference=preference)
-    if algorithm == "hierarchical":
-        hierarchical.host_allreduce(comm, send, recv, op, deadline)
-    else:
-        allreduce(comm, send, recv, op, deadline, algorithm)
+        if table is not None:   # the table's choice, refined by real calls (refinement.py)
+            ran = run_refined(comm, table, send.nbytes, send.itemsize, deadline, run)
+            if ran is not None:
+                return ran
+    # the topology matters only where the size rules leave a choice (it is measured once)
+    needs_topology = size > 1 and preference == "auto" and \
+        0 <= RING_THRESHOLD_BYTES <= send.nbytes
+    topology = comm_topology(comm, deadline) if needs_topology else None
+    algorithm = choose_algorithm(send.nbytes, size, topology=topology, preference=preference)
+    run(algorithm)
     return algorithm
 
 

@@ -314,6 +314,7 @@ def distribute_dataset(strategy, dataset: Dataset, options=None) -> DistributedD
     reader, batch = layouts.file_reader_batch(node)
     if policy is AutoShardPolicy.AUTO and reader is not None and len(reader.files) >= ranks:
         policy = AutoShardPolicy.FILE
+    seed = _agree(strategy, node)               # the files every rank reads, and a seed
     for source in layouts.readers_in(node):     # TFRecord files: indexed once, shared
         if hasattr(source, "prepare_shards"):
             source.prepare_shards(strategy.extended.engine,
@@ -332,7 +333,7 @@ def distribute_dataset(strategy, dataset: Dataset, options=None) -> DistributedD
     else:
         layout = layouts.DataLayout(node, ranks, rank)
     layout.depth = layouts.prefetch_depth(node)
-    return DistributedDataset(strategy, layout, options, _agree(strategy, node), dataset)
+    return DistributedDataset(strategy, layout, options, seed, dataset)
 
 
 def _check_static(dataset: Dataset, replicas: int) -> None:

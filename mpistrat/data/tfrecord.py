@@ -33,7 +33,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+from mpistrat.collectives.agreement import Failure, agree_errors
 from mpistrat.data import ops
 from mpistrat.data.dataset import Dataset
 from mpistrat.data.mpiio import read_runs, runs_of
@@ -166,14 +166,12 @@ class TFRecordFiles(RecordFiles):
     def prepare_shards(self, engine, policy) -> None:
         """Index the files this rank will need, each built once (collective).
 
-        Called by ``experimental_distribute_dataset`` before reading: every rank must see
-        the same file sizes; a file without a valid cache is indexed by rank ``i % N`` and
-        its offsets sent to the ranks that need them (all under ``DATA``, its owner under
-        ``FILE``); a failure on any rank raises on every rank.
+        Called by ``experimental_distribute_dataset`` before reading, once the ranks have
+        agreed that they see the same files (path, size, modification time: ``views``); a
+        file without a valid cache is indexed by rank ``i % N`` and its offsets sent to the
+        ranks that need them (all under ``DATA``, its owner under ``FILE``); a failure on any
+        rank raises on every rank.
         """
-        sizes = [os.path.getsize(p) if os.path.isfile(p) else None for p in self.files]
-        agree_view(engine, sizes, f"the TFRecord files {self.files}", error=DataLossError,
-                   hint="every rank must see the same files")
         if policy is AutoShardPolicy.OFF:
             return
         rank, size = engine.rank, engine.size

@@ -81,5 +81,5 @@ def test_a_record_file_one_rank_sees_differently(tmp_path):
     replacement = tmp_path / "other"
     shutil.copy(DATA / "records" / "plain-1.tfrecord", replacement)
     error = run_with_rank1_seeing(tmp_path, "records", path, path, replacement)
-    assert error.startswith("error DataLossError ranks see different things"), error
-    assert "every rank must see the same files" in error
+    assert error.startswith("error InvalidArgumentError ranks see different things"), error
+    assert "every rank must read the same files" in error and str(path) in error

@@ -188,7 +188,7 @@ def play(comm: MPI.Comm, steps: Sequence[Step], src: np.ndarray, out: np.ndarray
         if recv is not None:
             c, d = recv[1], recv[2]
             # a fresh combine out of place receives straight into its place and combines
-            # there (op is commutative): no scratch pass, the memory traffic of in place
+            # there: no scratch pass, the memory traffic of in place
             direct = step.combine == PLACE or (apart and step.combine == FRESH and not (
                 send is not None and step.source != INPUT and send[1] < d and c < send[2]))
             if not direct and scratch.size < d - c:   # (a fresh step that overlaps its send)
@@ -196,8 +196,8 @@ def play(comm: MPI.Comm, steps: Sequence[Step], src: np.ndarray, out: np.ndarray
             incoming = out[c:d] if direct else scratch[:d - c]
         _exchange(comm, outgoing, send and send[0], incoming, recv and recv[0], deadline, what)
         if recv is not None and step.combine != PLACE:
-            if direct:
-                combine(incoming, src[c:d], out=incoming)
+            if direct:   # (the operands in the scratch path's order: MIN/MAX of -0.0, NaN)
+                combine(src[c:d], incoming, out=incoming)
             else:
                 combine((src if step.combine == FRESH else out)[c:d], incoming, out=out[c:d])
 

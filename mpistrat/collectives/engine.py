@@ -259,6 +259,8 @@ class CollectiveEngine:
         total = self._probe.sum_ready(probe, what, signature, float(value))
         if mean:
             total = math.trunc(total / self.size) if integer else total / self.size
+        if integer:  # an exact integer: a SUM beyond the dtype wraps, as MPI's does
+            return np.array(int(total), np.int64).astype(make)[()]
         return make(total)
 
     def _reduce_small(self, op, array: np.ndarray) -> Optional[np.ndarray]:
@@ -285,7 +287,7 @@ class CollectiveEngine:
         if self._trace:
             self._trace_fold(what, array.size)
         sums = self._probe.sum_array(probe, what, signature, array).reshape(array.shape)
-        if exact is ReduceOp.MEAN and array.dtype.kind in "iu":
+        if array.dtype.kind in "iu":   # (a SUM beyond the dtype wraps, as MPI's does)
             return fold_result(sums.copy(), exact, self.size, array.dtype)
         out = np.empty(array.shape, array.dtype)  # the sums (a MEAN divided), rounded once
         if exact is ReduceOp.MEAN:

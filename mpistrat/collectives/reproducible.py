@@ -108,7 +108,7 @@ def _max_min(flat: np.ndarray):
         block = flat[start:start + _BLOCK]
         highs.append(block.max())
         lows.append(block.min())
-    return max(highs), min(lows)
+    return np.max(highs), np.min(lows)   # (NumPy's: a NaN in any block propagates)
 
 
 def max_exponent(array: np.ndarray) -> int:

@@ -269,6 +269,8 @@ def fold_result(total: np.ndarray, op: ReduceOp, size: int, dtype) -> np.ndarray
             total = np.trunc(total / size)
         else:
             total /= size
+    if dtype.kind in "iu":  # an exact integer: a SUM beyond the dtype wraps, as MPI's does
+        return total.astype(np.int64).astype(dtype)
     return total if dtype == _FLOAT64 else total.astype(dtype)
 
 

@@ -51,6 +51,7 @@ from mpistrat.data.dataset import Dataset, TensorSpec
 from mpistrat.data.experimental import Optional as OptionalValue
 from mpistrat.data.options import AutoShardPolicy
 from mpistrat.data.permutation import derive_key
+from mpistrat.data.readers import view_of
 from mpistrat.data.staging import empty_like, gpu_of, regroup, spec_of, staged, to_gpu, Prepared
 from mpistrat.data.threads import prefetched
 from mpistrat.distribute.context import InputContext
@@ -285,15 +286,26 @@ def share_layout(engine, spec) -> Any:
 
 
 def _agree(strategy, node: ops.Node) -> int:
-    """The ranks agree on the files (sizes and modification times) and on one seed."""
+    """The ranks agree on the files (sizes and modification times, as each rank saw them
+    when the dataset was built and as it sees them now) and on one seed; a file that changed
+    since the dataset was built is refused on every rank (the agreed views say so alike)."""
     engine = strategy.extended.engine
-    views = [reader.views for reader in layouts.readers_in(node)]
+    readers = layouts.readers_in(node)
+    views = [(reader.views, [view_of(path) for path in reader.files]) for reader in readers]
     if views:
-        agree_view(engine, views, "the files of a distributed dataset (path, size, "
-                                  "modification time)", error=InvalidArgumentError,
-                   hint="every rank must read the same files: put them on a file system that "
-                        "every rank shares, or give node-local copies the same size and "
-                        "modification time (cp -p, rsync -t)")
+        views = agree_view(engine, views, "the files of a distributed dataset (path, size, "
+                                          "modification time: when built, now)",
+                           error=InvalidArgumentError,
+                           hint="every rank must read the same files: put them on a file "
+                                "system that every rank shares, or give node-local copies the "
+                                "same size and modification time (cp -p, rsync -t)")
+        for built, now in views:
+            for then, current in zip(built, now):
+                if then != current:
+                    raise InvalidArgumentError(
+                        f"{then[0]} changed after its dataset was built (then {then[1:]}, now "
+                        f"{current[1:]}, size and modification time in ns): build the dataset "
+                        f"again after the file is complete")
     drawn = np.array([secrets.randbits(62)], np.int64)
     return int(engine.broadcast(drawn, root=0)[0])
 

@@ -141,3 +141,23 @@ def test_a_file_truncated_under_one_rank_raises_on_every_rank(strategy, world, s
     with pytest.raises(ms.errors.DataLossError, match=rf"rank {world.size - 1}: reading its "
                                                       rf"input.*short read"):
         next(batches)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_file_that_grew_after_the_dataset_was_built_is_refused_on_every_rank(strategy, world,
+                                                                               shared_dir):
+    """The record count is taken when the dataset is built: distributing it after the file
+    changed (a writer still appending) is an error naming the file on every rank, not a
+    stale count."""
+    paths = record_files(world, shared_dir, files=1, per_file=8)
+    dataset = FixedLengthRecordDataset(paths, 4).batch(2)
+    world.comm.Barrier()
+    if world.rank == 0:
+        with open(paths[0], "ab") as f:
+            f.write(np.arange(4, dtype=np.int32).tobytes())
+    world.comm.Barrier()
+    with pytest.raises(ValueError, match=r"part-0\.bin changed after its dataset was built"):
+        strategy.experimental_distribute_dataset(dataset)
+    again = FixedLengthRecordDataset(paths, 4).batch(2)   # built afresh: 12 records
+    mine = sum(len(b) for b in batches(strategy, again))
+    assert world.comm.allreduce(mine) == 12

@@ -142,6 +142,21 @@ def test_nan_and_zero_tensors(world, arrays):
     np.testing.assert_array_equal(host[2], [world.size] * 2)
 
 
+@pytest.mark.mpi(min_size=1)
+def test_a_nan_past_the_first_block_still_poisons_its_column(world):
+    """The exponent is found block by block (64 Ki elements): a NaN in a later block must
+    still make the tensor non-finite, so its column sums to NaN (on the integer grid of 16
+    rows along the axis a lost NaN would be cast to a finite number)."""
+    engine = CollectiveEngine(world.comm, ms.CommunicationOptions(deterministic=True))
+    rows = np.ones((16, 10_000), np.float32)
+    if world.rank == world.size - 1:
+        rows[10, 7_000] = np.nan            # flat index 107,000: the second block
+    assert max_exponent(rows) == (1 << 30 if world.rank == world.size - 1 else 1)
+    (total,), _ = engine.exact_sum([rows], axis=0)
+    assert np.isnan(total[7_000]) and np.isnan(total).sum() == 1
+    assert total[0] == 16 * world.size
+
+
 @pytest.mark.mpi(min_size=2)
 def test_ranks_that_disagree_on_determinism_raise_together(world):
     options = ms.CommunicationOptions(deterministic=world.rank == 0)

@@ -48,6 +48,22 @@ def test_numpy_scalars_keep_their_type_and_value(world, op, dtype):
     assert long.dtype == dtype and long[0] == got
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("value", [np.int8(100), np.uint8(200), np.int32(2**31 - 1),
+                                   np.uint32(2**32 - 1), np.int16(-30000)])
+def test_integer_sums_beyond_the_dtype_wrap_as_the_long_path(world, value):
+    strategy = ms.MultiWorkerMirroredStrategy()
+    fast = strategy.reduce("SUM", value, axis=None)
+    timed = ms.CommunicationOptions(timeout_seconds=60.0)   # never folds: the long path
+    long = strategy.extended.engine.all_reduce(value, "SUM", timed)[()]
+    assert type(fast) is type(value) and fast == long
+    bits = 8 * value.dtype.itemsize          # MPI's integer SUM wraps modulo 2**bits
+    wrapped = (int(value) * world.size) % (1 << bits)
+    assert int(fast.astype(f"u{value.dtype.itemsize}")) == wrapped
+    array = strategy.reduce("SUM", np.array([value, value]), axis=None)  # the small path
+    assert array.dtype == value.dtype and (array == fast).all()
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("op", ["SUM", "MEAN"])
 def test_python_floats_and_the_timeline(world, op):

@@ -207,7 +207,8 @@ def tune(comm, path: Optional[str], budget: Optional[float] = None) -> tuning.Tu
 
 def install(comm, table: Optional[tuning.TuningTable]) -> None:
     """Make ``comm``'s all-reduces follow ``table`` (``None``: the static rules) from now on;
-    every rank must install the same table (tests force algorithms through it)."""
+    every rank must install the same table (tests force algorithms through it), one table
+    object per communicator (its refinement counts that communicator's calls)."""
     comm.Set_attr(_KEYVAL, table if table is not None else "installed: the static rules")
 
 

@@ -89,6 +89,38 @@ def test_fit_matches_one_process_and_ranks_agree(world):
     predictions = model.predict(x, batch_size=BATCH, verbose=0)
     assert predictions.shape == (ROWS, 2)
     same_on_every_rank(strategy, [predictions])
+    np.testing.assert_allclose(predictions, model.predict_on_batch(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("rows", [1, 2, 7, ROWS])
+def test_predict_is_sharded_and_gathered_in_order(world, rows):
+    """Each rank predicts its block of rows (a rank without rows predicts none), every rank
+    returns every row in order: the same as one process, for one output and for two."""
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x, _ = data()
+    x = x[:rows]
+    with strategy.scope():
+        model = build()
+        inputs = keras.Input((4,))
+        hidden = keras.layers.Dense(3)(inputs)
+        two = keras.Model(inputs, {"a": hidden, "b": keras.layers.Dense(1)(hidden)})
+        two.compile(loss="mse")
+    class Batches(keras.callbacks.Callback):   # how many batches this rank predicted
+        count = 0
+
+        def on_predict_batch_end(self, batch, logs=None):
+            Batches.count += 1
+
+    got = model.predict(x, batch_size=4, verbose=0, callbacks=[Batches()])
+    assert got.shape == (rows, 2)
+    np.testing.assert_allclose(got, model.predict_on_batch(x), rtol=1e-5, atol=1e-6)
+    same_on_every_rank(strategy, [got])
+    mine = rows // world.size + (world.rank < rows % world.size)   # its block of rows
+    assert Batches.count == max(1, -(-mine // 4))                  # its batches only
+    both = two.predict(x, batch_size=4, verbose=0)
+    assert set(both) == {"a", "b"} and both["a"].shape == (rows, 3)
+    np.testing.assert_allclose(both["b"], two.predict_on_batch(x)["b"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.mpi(min_size=1)

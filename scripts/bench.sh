@@ -13,6 +13,9 @@ done
 for n in 1 2; do   # Keras 3 and optax state against the same arrays saved by hand (issue 16)
     scripts/mpirun --limit 600 -n "$n" .venv/bin/python benchmarks/checkpoint_frameworks.py
 done
+for n in 1 2; do   # Keras batch inference: predict sharded over ranks against every row per rank
+    scripts/mpirun --limit 600 -n "$n" .venv/bin/python benchmarks/keras_predict.py
+done
 for n in 1 2 4; do
     scripts/mpirun --limit 900 -n "$n" .venv/bin/python benchmarks/input.py --gib 1.0
 done
@@ -27,6 +30,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count=4 \
 XLA_FLAGS=--xla_force_host_platform_device_count=4 \
     scripts/mpirun --limit 900 -n 2 .venv/bin/python benchmarks/tpu_percall.py | grep -av '^\[Gloo\]'
 benchmarks/hosts.sh   # 2 hosts x 2 ranks on the namespace cluster, unshaped and at 1gbit
+benchmarks/collectives_hosts.sh --quick   # the collective figures there, tuner off and on
 # Hierarchical vs flat ring vs raw MPI.Allreduce: simulated nodes here; the launcher can come
 # from outside (MPISTRAT_BENCH_LAUNCH, e.g. the namespace cluster's mpirun with a hostfile).
 if [ -n "${MPISTRAT_BENCH_LAUNCH:-}" ]; then  # real hosts: their own layout

@@ -183,16 +183,10 @@ class CollectiveEngine:
         start = timeline.begin(value) if timeline.ON else None
         op = ReduceOp.from_any(op)
         kind = type(value)
-        if kind is float and options is None and op in _EXACT and self._folds():
-            result = np.array(self._fold_scalar(op, value))  # validated and summed in one call
-            if start is not None:
-                self._record(_ALL_REDUCE_WHAT[op], start, (result,))
-            return result
-        if kind in _FOLD_SCALARS and options is None and op in _EXACT and self._folds():
-            result = self._fold_numpy_scalar(op, value)  # a NumPy scalar (a float32 loss)
-            if start is not None:
-                self._record(_ALL_REDUCE_WHAT[op], start, (result,))
-            return result
+        if options is None and (kind is float or kind in _FOLD_SCALARS):
+            total = self.reduce_scalar(op, value)  # validated and summed in one call
+            if total is not None:                  # (None with the timeline on: below)
+                return np.asarray(total)
         flat = (kind is list or kind is tuple) and set(map(type, value)) <= _NDARRAY_ONLY
         if flat:  # a plain list or tuple of NumPy arrays: no flattening, no conversion
             arrays, rebuild = value, None
@@ -287,14 +281,7 @@ class CollectiveEngine:
         if self._trace:
             self._trace_fold(what, array.size)
         sums = self._probe.sum_array(probe, what, signature, array).reshape(array.shape)
-        if array.dtype.kind in "iu":   # (a SUM beyond the dtype wraps, as MPI's does)
-            return fold_result(sums.copy(), exact, self.size, array.dtype)
-        out = np.empty(array.shape, array.dtype)  # the sums (a MEAN divided), rounded once
-        if exact is ReduceOp.MEAN:
-            np.divide(sums, self.size, out=out, casting="unsafe")
-        else:
-            np.copyto(out, sums, casting="unsafe")
-        return out
+        return fold_result(sums.copy(), exact, self.size, array.dtype)
 
     def count_ranks(self, flags: Sequence[bool]) -> Sequence[float]:
         """How many ranks raise each of a few flags: the float64 SUM of ``flags`` over ranks
@@ -329,34 +316,6 @@ class CollectiveEngine:
         log.debug("#%d %s: 1 tensors, %d elements, timeout=None", self._calls, what, elements)
         log.debug("#%d %s: 1 %s tensors via %s (inside the validation probe)", self._calls, what,
                   kind, _HOST_BACKEND.name)
-
-    def _fold_scalar(self, op: ReduceOp, value: float) -> float:
-        if self._broken:
-            raise AbortedError(f"all_reduce refused on rank {self.rank}: {self._broken}")
-        self._calls += 1
-        if self._trace:
-            self._trace_fold(_ALL_REDUCE_WHAT[op], 1)
-        total = self._probe.sum_scalar(_ALL_REDUCE_WHAT[op], _SCALAR_SIGNATURE, value)
-        if timeline.ON:
-            self._backend_name = "validation-probe"
-        return total / self.size if op is ReduceOp.MEAN else total
-
-    def _fold_numpy_scalar(self, op: ReduceOp, value) -> np.ndarray:
-        """``_fold_scalar`` for a NumPy scalar of a ``FOLDABLE`` dtype: summed as a float64
-        (exact for every such value), rounded once to its dtype (a 0-d array of it)."""
-        dtype = value.dtype
-        signature = _SCALAR_SIGNATURES.get(dtype)
-        if signature is None:
-            signature = _SCALAR_SIGNATURES[dtype] = _signature([value])
-        if self._broken:
-            raise AbortedError(f"all_reduce refused on rank {self.rank}: {self._broken}")
-        self._calls += 1
-        if self._trace:
-            self._trace_fold(_ALL_REDUCE_WHAT[op], 1)
-        total = self._probe.sum_scalar(_ALL_REDUCE_WHAT[op], signature, float(value))
-        if timeline.ON:
-            self._backend_name = "validation-probe"
-        return fold_result(np.array(total), op, self.size, dtype)
 
     def _fold_small(self, op: ReduceOp, array, signature: tuple):
         _, _, deadline = self._prologue("all_reduce", None)
@@ -515,7 +474,6 @@ def _axis_or_none(axis: int, ndim: int) -> Optional[int]:
 
 
 _SCALAR_SIGNATURE = _signature([np.float64(0.0)])  # a Python float's, as the long path builds it
-_SCALAR_SIGNATURES: Dict[np.dtype, tuple] = {}
 _FLOAT64 = np.dtype(np.float64)
 _FOLD_SCALARS = frozenset(d.type for d in FOLDABLE)
 _HOST_CAPS = Capabilities(cuda_aware_mpi=False, nccl=False)  # NumPy needs no detection

@@ -95,7 +95,9 @@ def run_refined(comm, table: "tuning.TuningTable", nbytes: int, itemsize: int, d
     (see the module docstring); the algorithm that ran, or ``None`` when the table has no
     choice there (the caller's static rules apply)."""
     bucket = tuning.bucket_of(nbytes)
-    key: Tuple[int, int] = (tuning.size_class(itemsize), bucket) if bucket else (0, 0)
+    if bucket is None:
+        return None
+    key: Tuple[int, int] = (tuning.size_class(itemsize), bucket)
     choice = table.choices.get(key)
     if choice is None:
         return None

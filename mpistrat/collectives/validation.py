@@ -180,7 +180,6 @@ class Probe:
         self.recv = array("d", [0.0] * PROBE_SLOTS)
         self.send_values = np.frombuffer(self.send, dtype=np.float64)
         self.recv_values = np.frombuffer(self.recv, dtype=np.float64)
-        self._ready: Dict[tuple, Tuple[array, array]] = {}  # sum_scalar's probes, by call kind
 
     def sum_with(self, what: str, signature: Signature, deadline: Optional[Deadline],
                  values: np.ndarray) -> np.ndarray:
@@ -201,16 +200,6 @@ class Probe:
             _raise_mismatch(self.comm, what, signature, deadline is not None)
         return self.recv_values[:count]
 
-    def sum_scalar(self, what: str, signature: Signature, value: float) -> float:
-        """``sum_with`` for one Python float and no deadline: the scalar hot path (a probe
-        kept ready per call kind, so only its value slot is written)."""
-        ready = self._ready.get((what, signature))
-        if ready is None:
-            if len(self._ready) > 64:
-                self._ready.clear()
-            ready = self._ready[(what, signature)] = self.ready(what, signature)
-        return self.sum_ready(ready, what, signature, value)
-
     def ready(self, what: str, signature: Signature) -> Tuple[array, array]:
         """A probe of ``what`` and ``signature`` (untimed) to pass to ``sum_ready``, and the
         hash slots every rank expects back."""
@@ -220,38 +209,35 @@ class Probe:
     def sum_values(self, ready: Tuple[array, array], what: str, signature: Signature,
                    values: Sequence[float]) -> array:
         """``sum_ready`` for a few values (at most ``PAYLOAD_SLOTS``): their sums (a copy)."""
-        send, expected = ready
+        send, _ = ready
         for index, value in enumerate(values):
             send[index] = value
-        recv = self.recv
-        self.comm.Iallreduce(send, recv, MPI.SUM).Wait()
-        if recv[PAYLOAD_SLOTS:] != expected:
-            _raise_mismatch(self.comm, what, signature, False)
-        return recv[:len(values)]
+        return self._exchange(ready, what, signature)[:len(values)]
 
     def sum_array(self, ready: Tuple[array, array], what: str, signature: Signature,
                   values: np.ndarray) -> np.ndarray:
         """``sum_ready`` for a small array (at most ``PAYLOAD_SLOTS`` values): the float64
         sums, flat (a view valid until the next call)."""
-        send, expected = ready
         count = values.size
-        np.copyto(np.frombuffer(send, dtype=np.float64, count=count), values.reshape(-1))
-        recv = self.recv
-        self.comm.Iallreduce(send, recv, MPI.SUM).Wait()
-        if recv[PAYLOAD_SLOTS:] != expected:
-            _raise_mismatch(self.comm, what, signature, False)
+        np.copyto(np.frombuffer(ready[0], dtype=np.float64, count=count), values.reshape(-1))
+        self._exchange(ready, what, signature)
         return self.recv_values[:count]
 
     def sum_ready(self, ready: Tuple[array, array], what: str, signature: Signature,
                   value: float) -> float:
         """The SUM over ranks of one float in a ``ready`` probe, validated (one collective)."""
+        ready[0][0] = value
+        return self._exchange(ready, what, signature)[0]
+
+    def _exchange(self, ready: Tuple[array, array], what: str, signature: Signature) -> array:
+        """One untimed ``Iallreduce`` of a ``ready`` probe; the received probe, its hash
+        slots checked (a mismatch raises on every rank, naming what each rank called)."""
         send, expected = ready
-        send[0] = value
         recv = self.recv
         self.comm.Iallreduce(send, recv, MPI.SUM).Wait()
         if recv[PAYLOAD_SLOTS:] != expected:
             _raise_mismatch(self.comm, what, signature, False)
-        return recv[0]
+        return recv
 
 
 # Dtypes whose values, and sums of them over any realistic number of ranks, float64 holds

@@ -214,14 +214,14 @@ class Strategy:
         ``MEAN`` sums in 64 bits and truncates toward zero (``collectives/dtypes.py``).
         """
         self._require_cross_replica("reduce")
-        if axis is None and len(self._extended.local_replica_ids) == 1:
-            total = self._extended.engine.reduce_scalar(reduce_op, value)  # a loss, a count
+        if axis is None and len(self._extended.local_replica_ids) == 1:  # the common case
+            engine = self._extended.engine
+            total = engine.reduce_scalar(reduce_op, value)  # a loss, a count: one collective
             if total is not None:
                 return total
-        op = ReduceOp.from_any(reduce_op)
-        if axis is None and len(self._extended.local_replica_ids) == 1:  # the common case
-            return scalars_to_numpy(self._extended.engine.all_reduce(_local(value), op))
-        return self._reduce_components(op, self.experimental_local_results(value), axis)
+            return scalars_to_numpy(engine.all_reduce(_local(value), ReduceOp.from_any(reduce_op)))
+        return self._reduce_components(ReduceOp.from_any(reduce_op),
+                                       self.experimental_local_results(value), axis)
 
     def gather(self, value: Any, axis: int):
         """Concatenate ``value`` from all replicas along ``axis``, in replica-id order.

@@ -102,18 +102,17 @@ def parse_bool(text: str) -> bool:
     raise ValueError(text)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)
-    return value
+def _int_from(lowest: int) -> Callable[[str], int]:
+    """The parser of an integer of at least ``lowest``."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < lowest:
+            raise ValueError(text)
+        return value
+    return parse
 
 
-def _nonnegative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError(text)
-    return value
+_positive_int, _nonnegative_int = _int_from(1), _int_from(0)
 
 
 def _choice(*options: str) -> Callable[[str], str]:

@@ -29,8 +29,7 @@ XLA_FLAGS=--xla_force_host_platform_device_count=4 \
     scripts/mpirun --limit 900 -n 2 .venv/bin/python benchmarks/tpu_bridge.py | grep -av '^\[Gloo\]'
 XLA_FLAGS=--xla_force_host_platform_device_count=4 \
     scripts/mpirun --limit 900 -n 2 .venv/bin/python benchmarks/tpu_percall.py | grep -av '^\[Gloo\]'
-benchmarks/hosts.sh   # 2 hosts x 2 ranks on the namespace cluster, unshaped and at 1gbit
-benchmarks/collectives_hosts.sh --quick   # the collective figures there, tuner off and on
+benchmarks/hosts.sh   # 2 hosts x 2 ranks on the namespace cluster: unshaped, at 1gbit, tuner off and on
 # Hierarchical vs flat ring vs raw MPI.Allreduce: simulated nodes here; the launcher can come
 # from outside (MPISTRAT_BENCH_LAUNCH, e.g. the namespace cluster's mpirun with a hostfile).
 if [ -n "${MPISTRAT_BENCH_LAUNCH:-}" ]; then  # real hosts: their own layout

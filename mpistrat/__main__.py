@@ -216,12 +216,14 @@ def render_tuning(tuning: Optional[dict]) -> List[str]:
     """The tuning table's lines (pure): where it came from, then one line per entry."""
     if not tuning:
         return []
+    def listed(times: dict) -> str:
+        return ", ".join(f"{n} {t * 1e6:.0f} us" for n, t in times.items())
+
     lines = ["", f"tuning table: {tuning['source']}"]
     for row in tuning["entries"]:
-        times = ", ".join(f"{n} {t * 1e6:.0f} us" for n, t in row["times"].items())
-        online = ", ".join(f"{n} {t * 1e6:.0f} us" for n, t in row.get("online", {}).items())
+        online = listed(row.get("online", {}))
         lines.append(f"  {row['class']}-byte {_bytes(row['bytes']):>8}  {row['algorithm']:<13}"
-                     f"{times}" + (f"; in real calls: {online}" if online else ""))
+                     f"{listed(row['times'])}" + (f"; in real calls: {online}" if online else ""))
     return lines
 
 

@@ -98,21 +98,26 @@ class TuningTable:
             return None
         return self.choices.get((size_class(itemsize), bucket))
 
-    def rows(self) -> List[Dict]:
-        """One row per measured entry (for ``info`` and the file): class, bytes, choice, times."""
-        rows = [{"class": c, "bytes": b, "algorithm": self.choices[(c, b)],
-                 "times": {n: round(t, 9) for n, t in sorted(self.times.get((c, b), {}).items())}}
-                for c, b in sorted(self.choices)]
-        for row in rows:
-            online = self.online.get((row["class"], row["bytes"]))
-            if online:   # refined by real calls (shown by info; the file keeps calibrations)
-                row["online"] = {n: round(t, 9) for n, t in sorted(online.items())}
+    def rows(self, online: bool = True) -> List[Dict]:
+        """One row per measured entry (for ``info`` and the file): class, bytes, choice, times,
+        and with ``online`` the real means of a bucket refined by real calls (``info`` shows
+        them; the file keeps the calibration)."""
+        rows = []
+        for c, b in sorted(self.choices):
+            row = {"class": c, "bytes": b, "algorithm": self.choices[(c, b)],
+                   "times": _rounded(self.times.get((c, b), {}))}
+            if online and self.online.get((c, b)):
+                row["online"] = _rounded(self.online[(c, b)])
+            rows.append(row)
         return rows
 
     def to_json(self) -> Dict:
-        rows = [{k: v for k, v in row.items() if k != "online"} for row in self.rows()]
         return {"key": self.key, "calibration_seconds": round(self.seconds, 3),
-                "entries": rows}
+                "entries": self.rows(online=False)}
+
+
+def _rounded(times: Mapping[str, float]) -> Dict[str, float]:
+    return {name: round(t, 9) for name, t in sorted(times.items())}
 
 
 def host_type() -> str:

@@ -19,6 +19,7 @@ trace on any rank raises on every rank. Outputs are ``DevicePerReplica``
 values: split per device only when read.
 """
 
+import gc
 from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
@@ -145,20 +146,43 @@ class StepCache:
                 statics.append(leaf)
                 signature.append(("static " + type(leaf).__qualname__, ()))
         variables = extended.live_variables()
-        signature.extend(v.signature for v in variables)
-        key = (fn, treedef, tuple(signature), tuple(_static_key(s) for s in statics),
-               tuple(id(v) for v in variables))
+        full = tuple(signature) + tuple(v.signature for v in variables)
         what = f"TPUStrategy.run({getattr(fn, '__qualname__', type(fn).__name__)})"
-        agreed = extended.engine.start_agree(what, tuple(signature))
+        agreed = extended.engine.start_agree(what, full)
+
+        def settle():
+            """Wait for the agreement; where it fails, collect garbage and agree once more.
+
+            A variable the program dropped inside a reference cycle lives on until the cyclic
+            collector runs, whose timing is each rank's own. A failed agreement raises on every
+            rank together, so every rank collects and agrees again (a real mismatch raises
+            again, on every rank); then ``variables`` and ``full`` are the collected ones."""
+            nonlocal variables, full
+            try:
+                agreed()
+                return False
+            except InvalidArgumentError:
+                variables = None   # (our own reference must not keep it alive)
+                gc.collect()
+                variables = extended.live_variables()
+                full = tuple(signature) + tuple(v.signature for v in variables)
+                extended.engine.agree(what, full)
+                return True
+
         if uneven:
-            agreed()  # every rank has uneven components too, or a mismatch error names ranks
+            settle()  # every rank has uneven components too, or a mismatch error names ranks
             raise InvalidArgumentError(
                 f"{what} needs the same shape and dtype on every replica (static shapes, as "
                 f"on TPUs), but this rank's components differ: {uneven}")
-        inputs = ([v._device_array if v._device_array is not None else
-                   jax_bridge.global_from_local(list(v.values)) for v in per_replica],
-                  replicated, variable_values(variables))  # while the probe travels
-        agreed()  # raises on every rank if any rank passed other shapes
+        arguments = ([v._device_array if v._device_array is not None else
+                      jax_bridge.global_from_local(list(v.values)) for v in per_replica],
+                     replicated)
+        values = variable_values(variables)  # while the probe travels
+        if settle():  # raises on every rank if any rank passed other shapes
+            values = variable_values(variables)
+        inputs = arguments + (values,)
+        key = (fn, treedef, full, tuple(_static_key(s) for s in statics),
+               tuple(id(v) for v in variables))
         step = self._steps.get(key)
         if step is None:
             scalars = [not shape for (_, shape), k in zip(signature, kinds) if k == "p"]

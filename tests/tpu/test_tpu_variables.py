@@ -160,3 +160,28 @@ def test_training_loop_matches_multi_worker_mirrored(strategy):
     assert b_tpu == pytest.approx(b_mw, rel=1e-4, abs=1e-5)
     np.testing.assert_allclose(loss_tpu, loss_mw, rtol=1e-4)
     assert loss_tpu[-1] < 0.5 * loss_tpu[0]  # it learns
+
+
+def test_a_variable_garbage_on_one_rank_only_does_not_split_the_ranks(strategy, world):
+    """A variable dropped inside a reference cycle is garbage that the cyclic collector
+    frees when it runs, at each rank's own moment: here rank 0 has collected it and the
+    others have not, so the ranks would pass different variable sets to run(). Every rank
+    collects and agrees again, and the step runs everywhere with the same result."""
+    import gc
+    with strategy.scope():
+        kept = ms.Variable(1.0, dtype=np.float32)
+        dropped = ms.Variable(2.0, dtype=np.float32)
+    cycle = {"variable": dropped}
+    cycle["self"] = cycle
+    del dropped, cycle
+    gc.disable()
+    try:
+        if world.rank == 0:
+            gc.collect()   # the others still hold the uncollected variable
+        out = strategy.run(lambda: kept.read_value() * 2.0)
+    finally:
+        gc.enable()
+    assert all(float(v) == 2.0 for v in strategy.experimental_local_results(out))
+    if world.size > 1:   # a real difference still raises, on every rank
+        with pytest.raises(ValueError, match="ranks disagree"):
+            strategy.run(lambda x: x + 1.0, args=(np.ones(world.rank + 1, np.float32),))

@@ -222,7 +222,9 @@ def render_tuning(tuning: Optional[dict]) -> List[str]:
     lines = ["", f"tuning table: {tuning['source']}"]
     for row in tuning["entries"]:
         online = listed(row.get("online", {}))
-        lines.append(f"  {row['class']}-byte {_bytes(row['bytes']):>8}  {row['algorithm']:<13}"
+        place = "in place" if row.get("place") == "in" else "separate"
+        lines.append(f"  {row['class']}-byte {_bytes(row['bytes']):>8} {place:<8}  "
+                     f"{row['algorithm']:<13}"
                      f"{listed(row['times'])}" + (f"; in real calls: {online}" if online else ""))
     return lines
 

@@ -14,6 +14,10 @@ is all-reduced over ``comm`` with the automatic choice (collective then, like
 ``MPISTRAT_RING_THRESHOLD`` or ``MPISTRAT_HIERARCHICAL_THRESHOLD`` set by hand override
 the tuner: no table is used then. The calibration stops before a bucket that would not fit
 in ``MPISTRAT_TUNING_BUDGET`` seconds (2); unmeasured buckets follow the static rules.
+Each bucket is timed in both places (``tuning.PLACES``): into a buffer of its own, as a
+tensor the caller keeps is reduced, and in place, as a fused bucket or a reproducible sum's
+grid is: MPI's own in-place call is another program than its out-of-place one (at 2 ranks
+here it beat our ring in place from 1 to 16 MiB, and lost to it out of place).
 Every timing is all-reduced with MAX before ``tuning.pick`` sees it, so every rank holds the
 same table::
 
@@ -40,8 +44,8 @@ _KEYVAL = MPI.Comm.Create_keyval()  # the table, or the text saying why there is
 _OVERRIDES = ("MPISTRAT_RING_THRESHOLD", "MPISTRAT_HIERARCHICAL_THRESHOLD")
 _DTYPES = {4: np.float32, 8: np.float64}
 
-# measure(comm, algorithm, size class, nbytes) -> this rank's seconds for one call
-Measure = Callable[[MPI.Comm, str, int, int], float]
+# measure(comm, algorithm, size class, nbytes, in place) -> this rank's seconds for one call
+Measure = Callable[[MPI.Comm, str, int, int, bool], float]
 
 
 def candidates_for(topology) -> tuple:
@@ -63,12 +67,14 @@ def _reps(nbytes: int) -> int:
     return max(2, min(5, (4 << 20) // nbytes))
 
 
-def _time_call(comm, algorithm: str, cls: int, nbytes: int) -> float:
-    """The least of a few timings of one all-reduce of ``nbytes`` (one warm-up call first)."""
+def _time_call(comm, algorithm: str, cls: int, nbytes: int, in_place: bool = False) -> float:
+    """The least of a few timings of one all-reduce of ``nbytes`` (one warm-up call first),
+    into a buffer of its own or in place (zeros then: repeated sums stay zero)."""
     from mpistrat.collectives import algorithms
     from mpistrat.collectives.backends import hierarchical
-    send = np.ones(nbytes // cls, _DTYPES[cls])
-    recv = np.empty_like(send)
+    send = np.zeros(nbytes // cls, _DTYPES[cls]) if in_place else \
+        np.ones(nbytes // cls, _DTYPES[cls])
+    recv = send if in_place else np.empty_like(send)
     reps = _reps(nbytes)
 
     def once():
@@ -89,7 +95,8 @@ def _time_call(comm, algorithm: str, cls: int, nbytes: int) -> float:
 
 def calibrate(comm, topology=None, budget: Optional[float] = None,
               measure: Optional[Measure] = None) -> tuning.TuningTable:
-    """Measure every candidate per bucket and size class (collective); the agreed table.
+    """Measure every candidate per bucket, size class and place (collective); the agreed
+    table.
 
     Each bucket's timings, and the time spent so far, are all-reduced with MAX: the choice
     and the decision to measure the next bucket are the same on every rank whatever each
@@ -100,15 +107,17 @@ def calibrate(comm, topology=None, budget: Optional[float] = None,
     names = candidates_for(topology)
     began = time.perf_counter()
     choices, times, spent = {}, {}, 0.0
+    entries = [(cls, place) for place in tuning.PLACES for cls in tuning.SIZE_CLASSES]
     for bucket in tuning.BUCKETS:
-        mine = [measure(comm, name, cls, bucket) for cls in tuning.SIZE_CLASSES for name in names]
+        mine = [measure(comm, name, cls, bucket, place == "in")
+                for cls, place in entries for name in names]
         mine.append(time.perf_counter() - began)
         agreed = np.empty(len(mine), np.float64)
         comm.Allreduce(np.array(mine, np.float64), agreed, MPI.MAX)
-        for index, cls in enumerate(tuning.SIZE_CLASSES):
+        for index, (cls, place) in enumerate(entries):
             row = dict(zip(names, agreed[index * len(names):(index + 1) * len(names)].tolist()))
-            choices[(cls, bucket)] = tuning.pick(row)
-            times[(cls, bucket)] = row
+            choices[(cls, bucket, place)] = tuning.pick(row)
+            times[(cls, bucket, place)] = row
         cost, spent = float(agreed[-1]) - spent, float(agreed[-1])
         # the next bucket is 4x larger (fewer calls, though): stop if it would not fit
         following = 4 * bucket

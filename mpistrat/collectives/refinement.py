@@ -42,7 +42,7 @@ TRY_WITHIN = 1.5
 
 
 class BucketTrial:
-    """The refinement of one ``(size class, bucket)``: the algorithm running now
+    """The refinement of one ``(size class, bucket, place)``: the algorithm running now
     (``current``), those still to try (``queue``, fastest calibrated first), the agreed real
     mean of each one tried (``measured``, seconds per bucket-sized call)."""
 
@@ -90,14 +90,14 @@ def _agreed_max(comm, value: float, deadline) -> float:
 
 
 def run_refined(comm, table: "tuning.TuningTable", nbytes: int, itemsize: int, deadline,
-                run: Callable[[str], None]) -> Optional[str]:
-    """Run one all-reduce of ``nbytes`` with the table's choice for its bucket, refining it
-    (see the module docstring); the algorithm that ran, or ``None`` when the table has no
-    choice there (the caller's static rules apply)."""
-    bucket = tuning.bucket_of(nbytes)
-    if bucket is None:
+                run: Callable[[str], None], in_place: bool = False) -> Optional[str]:
+    """Run one all-reduce of ``nbytes`` (``in_place`` or not) with the table's choice for
+    its entry, refining it (see the module docstring); the algorithm that ran, or ``None``
+    when the table has no choice there (the caller's static rules apply)."""
+    key: Optional[Tuple[int, int, str]] = tuning.key_of(nbytes, itemsize, in_place)
+    if key is None:
         return None
-    key: Tuple[int, int] = (tuning.size_class(itemsize), bucket)
+    bucket = key[1]
     choice = table.choices.get(key)
     if choice is None:
         return None

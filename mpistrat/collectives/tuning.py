@@ -1,16 +1,21 @@
 """The tuning table: which all-reduce algorithm each message size takes, from measurements.
 
-A ``TuningTable`` maps (dtype size class, message-size bucket) to one algorithm name.
-Buckets are powers of 4 from 4 KiB to 64 MiB; a buffer takes the bucket nearest its size
-in log scale (below 2 KiB none: the static rules apply, MPI's own). Size classes are ``4``
-(elements of 4 bytes or fewer) and ``8``. The table is made by ``calibration.calibrate``
+A ``TuningTable`` maps (dtype size class, message-size bucket, place) to one algorithm
+name. Buckets are powers of 4 from 4 KiB to 64 MiB; a buffer takes the bucket nearest its
+size in log scale (below 2 KiB none: the static rules apply, MPI's own). Size classes are
+``4`` (elements of 4 bytes or fewer) and ``8``. The place is ``"out"`` (the result goes
+to a buffer of its own: a tensor the caller still holds) or ``"in"`` (the buffer is
+overwritten: a fused bucket, a reproducible sum's grid): MPI's own in-place ``Allreduce``
+and its out-of-place one are different programs, and which algorithm wins differs. The table is made by ``calibration.calibrate``
 (timings all-reduced with MAX, so every rank picks the same) or read from the tuning file
 (``MPISTRAT_TUNING_FILE``), a JSON document keyed by host type, MPI library, ranks per node
 and node count. Everything here is pure: no MPI::
 
-    >>> table = TuningTable(key={"size": 2}, choices={(4, 4 << 20): "ring"}, source="test")
+    >>> table = TuningTable(key={"size": 2}, choices={(4, 4 << 20, "out"): "ring"}, source="x")
     >>> table.choose(5 << 20, 4), table.choose(5 << 20, 8), table.choose(100, 4)
     ('ring', None, None)
+    >>> table.choose(5 << 20, 4, in_place=True) is None    # measured out of place only
+    True
     >>> pick({"mpi": 1.0, "ring": 0.97})   # within the 5% margin: MPI's own
     'mpi'
 """
@@ -23,14 +28,15 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["TuningTable", "BUCKETS", "SIZE_CLASSES", "CANDIDATES", "VERSION", "bucket_of",
-           "size_class", "pick", "table_key", "load_table", "save_table", "parse_file",
+__all__ = ["TuningTable", "BUCKETS", "SIZE_CLASSES", "PLACES", "CANDIDATES", "VERSION",
+           "bucket_of", "size_class", "key_of", "pick", "table_key", "load_table", "save_table", "parse_file",
            "TuningFileError"]
 
-VERSION = 1
+VERSION = 2              # 2: entries keyed by place too (version 1 measured out of place only)
 FORMAT = "mpistrat-tuning"
 BUCKETS: Tuple[int, ...] = tuple(4096 << (2 * i) for i in range(8))   # 4 KiB .. 64 MiB
 SIZE_CLASSES = (4, 8)
+PLACES = ("out", "in")   # the result into a buffer of its own, or over the input
 # the algorithms the tuner compares, in the order ties are broken (MPI's own first)
 CANDIDATES = ("mpi", "ring", "rabenseifner", "hierarchical")
 MARGIN = 0.05           # another algorithm must beat MPI's own by this fraction
@@ -58,6 +64,19 @@ def bucket_of(nbytes: int) -> Optional[int]:
     return BUCKETS[min(max(index, 0), len(BUCKETS) - 1)]
 
 
+def key_of(nbytes: int, itemsize: int, in_place: bool = False) -> Optional[Tuple[int, int, str]]:
+    """The table entry a buffer of ``nbytes`` takes: ``(size class, bucket, place)``, or
+    ``None`` below the smallest bucket.
+
+    >>> key_of(3 << 20, 4, in_place=True), key_of(100, 8)
+    ((4, 4194304, 'in'), None)
+    """
+    bucket = bucket_of(nbytes)
+    if bucket is None:
+        return None
+    return size_class(itemsize), bucket, PLACES[1] if in_place else PLACES[0]
+
+
 def pick(times: Mapping[str, float], margin: float = MARGIN) -> str:
     """The fastest algorithm of ``times`` (seconds); MPI's own unless beaten by ``margin``.
 
@@ -77,37 +96,36 @@ def pick(times: Mapping[str, float], margin: float = MARGIN) -> str:
 
 @dataclass
 class TuningTable:
-    """Chosen algorithm per ``(size class, bucket)``, the key it was measured for, and where
-    it came from (``source``: calibrated on this job, or a file path)."""
+    """Chosen algorithm per ``(size class, bucket, place)``, the key it was measured for,
+    and where it came from (``source``: calibrated on this job, or a file path)."""
 
     key: Dict
-    choices: Dict[Tuple[int, int], str]
+    choices: Dict[Tuple[int, int, str], str]
     source: str = ""
-    times: Dict[Tuple[int, int], Dict[str, float]] = field(default_factory=dict)
+    times: Dict[Tuple[int, int, str], Dict[str, float]] = field(default_factory=dict)
     seconds: float = 0.0
     # online refinement (collectives/refinement.py): real calls per trial (0: off), the
     # trials in progress, and the real means of the buckets that settled
     refine_calls: int = 0
-    trials: Dict[Tuple[int, int], object] = field(default_factory=dict)
-    online: Dict[Tuple[int, int], Dict[str, float]] = field(default_factory=dict)
+    trials: Dict[Tuple[int, int, str], object] = field(default_factory=dict)
+    online: Dict[Tuple[int, int, str], Dict[str, float]] = field(default_factory=dict)
 
-    def choose(self, nbytes: int, itemsize: int) -> Optional[str]:
+    def choose(self, nbytes: int, itemsize: int, in_place: bool = False) -> Optional[str]:
         """The measured choice for a buffer, or ``None`` where the static rules apply."""
-        bucket = bucket_of(nbytes)
-        if bucket is None:
-            return None
-        return self.choices.get((size_class(itemsize), bucket))
+        key = key_of(nbytes, itemsize, in_place)
+        return None if key is None else self.choices.get(key)
 
     def rows(self, online: bool = True) -> List[Dict]:
-        """One row per measured entry (for ``info`` and the file): class, bytes, choice, times,
-        and with ``online`` the real means of a bucket refined by real calls (``info`` shows
-        them; the file keeps the calibration)."""
+        """One row per measured entry (for ``info`` and the file): class, bytes, place, choice,
+        times, and with ``online`` the real means of a bucket refined by real calls (``info``
+        shows them; the file keeps the calibration)."""
         rows = []
-        for c, b in sorted(self.choices):
-            row = {"class": c, "bytes": b, "algorithm": self.choices[(c, b)],
-                   "times": _rounded(self.times.get((c, b), {}))}
-            if online and self.online.get((c, b)):
-                row["online"] = _rounded(self.online[(c, b)])
+        for key in sorted(self.choices, key=lambda k: (k[2] != PLACES[0], k[0], k[1])):
+            c, b, place = key
+            row = {"class": c, "bytes": b, "place": place, "algorithm": self.choices[key],
+                   "times": _rounded(self.times.get(key, {}))}
+            if online and self.online.get(key):
+                row["online"] = _rounded(self.online[key])
             rows.append(row)
         return rows
 
@@ -173,18 +191,20 @@ def parse_file(text: str, key: Mapping, path: str = "<tuning file>") -> TuningTa
 def _entry(entry: Dict, number: int, path: str) -> TuningTable:
     where = f"{path}: corrupt (table {number}"
     rows = entry.get("entries")
-    if not isinstance(rows, list) or len(rows) > len(BUCKETS) * len(SIZE_CLASSES):
-        raise TuningFileError(f"{where}: 'entries' is not a list of at most "
-                              f"{len(BUCKETS) * len(SIZE_CLASSES)} rows)")
+    most = len(BUCKETS) * len(SIZE_CLASSES) * len(PLACES)
+    if not isinstance(rows, list) or len(rows) > most:
+        raise TuningFileError(f"{where}: 'entries' is not a list of at most {most} rows)")
     choices, times = {}, {}
     for row in rows:
         if not isinstance(row, dict):
             raise TuningFileError(f"{where}: an entry is not an object)")
         cls, nbytes, algorithm = row.get("class"), row.get("bytes"), row.get("algorithm")
+        place = row.get("place")
         if type(cls) is not int or cls not in SIZE_CLASSES or type(nbytes) is not int or \
-                nbytes not in BUCKETS:
-            raise TuningFileError(f"{where}: entry class={cls!r} bytes={nbytes!r} is not one "
-                                  f"of classes {SIZE_CLASSES} and buckets {BUCKETS})")
+                nbytes not in BUCKETS or place not in PLACES:
+            raise TuningFileError(f"{where}: entry class={cls!r} bytes={nbytes!r} "
+                                  f"place={place!r} is not one of classes {SIZE_CLASSES}, "
+                                  f"buckets {BUCKETS} and places {PLACES})")
         if algorithm not in CANDIDATES:
             raise TuningFileError(f"{where}: algorithm {algorithm!r} is not one of "
                                   f"{CANDIDATES})")
@@ -193,8 +213,11 @@ def _entry(entry: Dict, number: int, path: str) -> TuningTable:
                 n in CANDIDATES and type(t) in (int, float) and math.isfinite(t)
                 for n, t in measured.items()):
             raise TuningFileError(f"{where}: bad times at {nbytes} B)")
-        choices[(cls, nbytes)] = algorithm
-        times[(cls, nbytes)] = {n: float(t) for n, t in measured.items()}
+        if (cls, nbytes, place) in choices:
+            raise TuningFileError(f"{where}: entry class={cls} bytes={nbytes} place={place} "
+                                  f"appears twice)")
+        choices[(cls, nbytes, place)] = algorithm
+        times[(cls, nbytes, place)] = {n: float(t) for n, t in measured.items()}
     seconds = entry.get("calibration_seconds", 0.0)
     return TuningTable(dict(entry["key"]), choices, f"file {path}", times,
                        float(seconds) if type(seconds) in (int, float) else 0.0)

@@ -29,7 +29,7 @@ def shared_path(world, tmp_path):
 
 def _fake(rank_of_liar):
     """Timings where one rank sees the ring fastest and every other rank MPI's own."""
-    def measure(comm, name, cls, nbytes):
+    def measure(comm, name, cls, nbytes, in_place):
         liar = comm.Get_rank() == rank_of_liar
         return {"mpi": 1.0 if liar else 0.1, "ring": 0.1 if liar else 0.5,
                 "rabenseifner": 0.9, "hierarchical": 2.0}[name] * nbytes * 1e-9
@@ -44,28 +44,29 @@ def test_one_rank_fed_other_timings_still_yields_the_agreed_choice_on_every_rank
     # the MAX of every rank's timings: MPI's own 1.0 (the liar's), the ring 0.5 (the others'):
     # the ring everywhere, although most ranks alone would have kept MPI's own
     assert set(table.choices.values()) == {"ring"}
-    assert len(table.choices) == len(tuning.BUCKETS) * len(tuning.SIZE_CLASSES)
+    assert len(table.choices) == len(tuning.BUCKETS) * len(tuning.SIZE_CLASSES) * 2
+    assert {place for _, _, place in table.choices} == set(tuning.PLACES)
 
 
 def test_the_budget_stops_every_rank_at_the_same_bucket_when_one_rank_is_slow(comm):
     import time
 
-    def measure(c, name, cls, nbytes):
+    def measure(c, name, cls, nbytes, in_place):
         if c.Get_rank() == 0:
             time.sleep(0.01)
         return 1e-6
     table = calibration.calibrate(comm, budget=0.25, measure=measure)
     counts = comm.allgather(len(table.choices))
-    assert len(set(counts)) == 1 and 0 < counts[0] < len(tuning.BUCKETS) * 2
+    assert len(set(counts)) == 1 and 0 < counts[0] < len(tuning.BUCKETS) * 4
 
 
 def test_a_corrupt_or_foreign_file_is_ignored_with_a_warning_and_replaced(comm, shared_path,
                                                                          monkeypatch):
     monkeypatch.setenv("MPISTRAT_TUNING_FILE", shared_path)
     monkeypatch.setenv("MPISTRAT_TUNING_BUDGET", "0.3")
-    for text in ("{corrupt", '{"format": "mpistrat-tuning", "version": 1, "buckets": %s, '
+    for text in ("{corrupt", '{"format": "mpistrat-tuning", "version": %d, "buckets": %s, '
                              '"tables": [{"key": {"host": "elsewhere"}, "entries": []}]}'
-                 % list(tuning.BUCKETS)):
+                 % (tuning.VERSION, list(tuning.BUCKETS))):
         if comm.Get_rank() == 0:
             with open(shared_path, "w") as f:
                 f.write(text)
@@ -118,7 +119,8 @@ def test_a_hand_set_threshold_overrides_the_tuner(comm, shared_path, monkeypatch
 
 @pytest.mark.parametrize("algorithm", ["mpi", "ring", "rabenseifner", "hierarchical"])
 def test_forcing_each_algorithm_through_the_table_gives_the_same_sums(comm, algorithm):
-    every = {(c, b): algorithm for c in tuning.SIZE_CLASSES for b in tuning.BUCKETS}
+    every = {(c, b, p): algorithm for c in tuning.SIZE_CLASSES for b in tuning.BUCKETS
+             for p in tuning.PLACES}
     calibration.install(comm, tuning.TuningTable({}, every, "test"))
     engine = CollectiveEngine(comm)
     rng = np.random.default_rng(comm.Get_rank())
@@ -140,6 +142,34 @@ def test_forcing_each_algorithm_through_the_table_gives_the_same_sums(comm, algo
     np.testing.assert_array_equal(forced, np.full(1 << 16, float(comm.Get_size())))
 
 
+@pytest.mark.parametrize("apart, in_place", [("ring", "mpi"), ("mpi", "ring")])
+def test_a_fused_bucket_takes_the_in_place_entry_and_a_lone_tensor_the_other(comm, apart,
+                                                                             in_place):
+    """A fused bucket is reduced over itself, a tensor the caller keeps into a new buffer:
+    each follows the table's entry for its place (what ran is recorded: our schedule's
+    steps, or MPI's own call), and the sums are the same either way."""
+    from mpistrat.collectives import algorithms
+    table = {(c, b, p): apart if p == "out" else in_place for c in tuning.SIZE_CLASSES
+             for b in tuning.BUCKETS for p in tuning.PLACES}
+    calibration.install(comm, tuning.TuningTable({}, table, "test"))
+    engine = CollectiveEngine(comm)
+    lone = np.arange(1 << 16, dtype=np.float32) + comm.Get_rank()        # 256 KiB, kept
+    small = [np.full(2048, float(i + comm.Get_rank()), np.float32) for i in range(8)]
+    expected = np.empty_like(lone)
+    comm.Allreduce(lone, expected)
+    for value, place in ((lone, apart), (small, in_place)):
+        with algorithms.recording() as events:
+            got = engine.all_reduce(value, "SUM")
+        if comm.Get_size() == 1:
+            continue
+        kinds = {event[0] for event in events}
+        assert kinds == ({"call"} if place == "mpi" else {"step"}), (place, events[:3])
+    np.testing.assert_array_equal(engine.all_reduce(lone, "SUM"), expected)
+    n = comm.Get_size()
+    for i, total in enumerate(engine.all_reduce(small, "SUM")):
+        np.testing.assert_array_equal(total, np.full(2048, n * i + n * (n - 1) / 2, np.float32))
+
+
 # -- online refinement (collectives/refinement.py) ----------------------------------------
 from mpistrat.collectives import refinement  # noqa: E402
 
@@ -149,7 +179,7 @@ def test_real_calls_refine_a_bucket_to_one_choice_on_every_rank(comm, timed):
     """A table whose 64 KiB float32 choice is the ring, with MPI's own calibrated close and
     rabenseifner far: 3 real calls of the ring, 3 of MPI's own, then the faster of their
     agreed real means everywhere, rabenseifner never tried; every sum stays exact."""
-    key = (4, 1 << 16)
+    key = (4, 1 << 16, "out")
     table = tuning.TuningTable({}, {key: "ring"}, "test",
                                {key: {"mpi": 1.0, "ring": 0.9, "rabenseifner": 5.0}})
     table.refine_calls = 3
@@ -171,7 +201,7 @@ def test_real_calls_refine_a_bucket_to_one_choice_on_every_rank(comm, timed):
     assert table.online[key] == trial.measured and table.choices[key] == trial.current
     everyone = comm.allgather((table.choices[key], table.online[key]))
     assert all(entry == everyone[0] for entry in everyone)   # the same choice and means
-    row = [r for r in table.rows() if (r["class"], r["bytes"]) == key][0]
+    row = [r for r in table.rows() if (r["class"], r["bytes"], r["place"]) == key][0]
     assert row["online"] == {n: round(t, 9) for n, t in trial.measured.items()}
     assert "online" not in table.to_json()["entries"][0]     # the file keeps calibrations
 
@@ -192,7 +222,7 @@ def test_refinement_agrees_when_ranks_time_differently(comm):
 
 
 def test_refinement_off_keeps_the_calibrated_choice(comm):
-    key = (4, 1 << 16)
+    key = (4, 1 << 16, "out")
     table = tuning.TuningTable({}, {key: "ring"}, "test", {key: {"mpi": 1.0, "ring": 0.9}})
     calibration.install(comm, table)      # refine_calls 0: off
     engine = CollectiveEngine(comm)

@@ -11,9 +11,10 @@ KEY = tuning.table_key("Open MPI v4.1", 2, 1, 2, host="x86_64 test cpu")
 
 
 def _table():
-    return TuningTable(dict(KEY), {(4, 4 << 20): "ring", (8, 4 << 20): "rabenseifner",
-                                   (4, 4096): "mpi"}, "calibrated",
-                       {(4, 4 << 20): {"mpi": 2.0, "ring": 1.0}}, 1.25)
+    return TuningTable(dict(KEY), {(4, 4 << 20, "out"): "ring", (8, 4 << 20, "out"): "rabenseifner",
+                                   (4, 4096, "out"): "mpi", (4, 4 << 20, "in"): "mpi"},
+                       "calibrated", {(4, 4 << 20, "out"): {"mpi": 2.0, "ring": 1.0},
+                                      (4, 4 << 20, "in"): {"mpi": 0.5, "ring": 1.0}}, 1.25)
 
 
 def test_buckets_are_powers_of_four_from_4kib_to_64mib_and_sizes_take_the_nearest():
@@ -38,16 +39,22 @@ def test_table_chooses_per_class_and_bucket_and_leaves_the_rest_to_the_rules():
     assert table.choose(4 << 20, 4) == "ring" and table.choose(4 << 20, 2) == "ring"
     assert table.choose(5 << 20, 8) == "rabenseifner"
     assert table.choose(64 << 20, 4) is None and table.choose(100, 4) is None
+    # in place is another entry: MPI's own there, where the ring wins out of place
+    assert table.choose(4 << 20, 4, in_place=True) == "mpi"
+    assert table.choose(5 << 20, 8, in_place=True) is None
+    assert tuning.key_of(4 << 20, 2, in_place=True) == (4, 4 << 20, "in")
+    assert tuning.key_of(1000, 4) is None
 
 
 def test_a_saved_table_reads_back_and_other_keys_are_kept(tmp_path):
     path = str(tmp_path / "tuning.json")
     tuning.save_table(path, _table())
-    other = TuningTable(dict(KEY, size=4, ranks_per_node=4), {(4, 16384): "ring"}, "x")
+    other = TuningTable(dict(KEY, size=4, ranks_per_node=4), {(4, 16384, "in"): "ring"}, "x")
     tuning.save_table(path, other)
     back = tuning.load_table(path, KEY)
     assert back.choices == _table().choices and back.source == f"file {path}"
-    assert back.times[(4, 4 << 20)] == {"mpi": 2.0, "ring": 1.0}
+    assert back.times[(4, 4 << 20, "out")] == {"mpi": 2.0, "ring": 1.0}
+    assert back.times[(4, 4 << 20, "in")] == {"mpi": 0.5, "ring": 1.0}
     assert tuning.load_table(path, other.key).choices == other.choices
     assert len(json.loads(open(path).read())["tables"]) == 2
 
@@ -61,15 +68,23 @@ def _doc(**change):
 
 @pytest.mark.parametrize("text, word", [
     ("{not json", "corrupt"), ("[1, 2]", "corrupt"), (_doc(format="other"), "corrupt"),
-    (_doc(version=0), "stale"), (_doc(buckets=[1, 2]), "stale"),
+    (_doc(version=0), "stale"), (_doc(version=1), "stale"), (_doc(buckets=[1, 2]), "stale"),
     (_doc(tables="x"), "corrupt"), (_doc(tables=[{"key": dict(KEY, host="elsewhere"),
                                                   "entries": []}]), "foreign"),
-    (_doc(tables=[{"key": dict(KEY), "entries": [{"class": 4, "bytes": 4096,
+    (_doc(tables=[{"key": dict(KEY), "entries": [{"class": 4, "bytes": 4096, "place": "in",
                                                   "algorithm": "rm -rf"}]}]), "corrupt"),
-    (_doc(tables=[{"key": dict(KEY), "entries": [{"class": 3, "bytes": 4096,
+    (_doc(tables=[{"key": dict(KEY), "entries": [{"class": 3, "bytes": 4096, "place": "in",
                                                   "algorithm": "ring"}]}]), "corrupt"),
-    (_doc(tables=[{"key": dict(KEY), "entries": [{"class": 4, "bytes": 4096, "algorithm": "ring",
+    (_doc(tables=[{"key": dict(KEY), "entries": [{"class": 4, "bytes": 4096, "place": "in",
+                                                  "algorithm": "ring",
                                                   "times": {"ring": "fast"}}]}]), "corrupt"),
+    # a version 1 entry (no place), another place, an entry given twice
+    (_doc(tables=[{"key": dict(KEY), "entries": [{"class": 4, "bytes": 4096,
+                                                  "algorithm": "ring"}]}]), "corrupt"),
+    (_doc(tables=[{"key": dict(KEY), "entries": [{"class": 4, "bytes": 4096, "place": "gpu",
+                                                  "algorithm": "ring"}]}]), "corrupt"),
+    (_doc(tables=[{"key": dict(KEY), "entries": [{"class": 4, "bytes": 4096, "place": "in",
+                                                  "algorithm": "ring"}] * 2}]), "corrupt"),
     (_doc(tables=[{"key": dict(KEY), "entries": [{}] * 100}]), "corrupt"),
 ])
 def test_a_corrupt_foreign_or_stale_file_is_refused_naming_the_file_and_why(text, word):
@@ -100,13 +115,16 @@ def test_info_renders_the_table_and_its_source():
     from mpistrat.__main__ import render_tuning
     lines = render_tuning({"source": "file /x.json", "entries": _table().rows()})
     assert lines[1] == "tuning table: file /x.json"
-    assert any("4 MiB" in line and "ring" in line and "mpi 2000000 us" in line for line in lines)
+    assert any("4 MiB" in line and "separate" in line and "ring" in line and
+               "mpi 2000000 us" in line for line in lines)
+    assert any("4 MiB" in line and "in place" in line and "mpi 500000 us" in line
+               for line in lines)
 
 
 def test_info_shows_the_real_means_of_a_refined_bucket():
     from mpistrat.__main__ import render_tuning
     table = _table()
-    table.online[(4, 4 << 20)] = {"mpi": 0.003, "ring": 0.004}
+    table.online[(4, 4 << 20, "out")] = {"mpi": 0.003, "ring": 0.004}
     lines = render_tuning({"source": "calibrated", "entries": table.rows()})
     assert any("4 MiB" in line and "in real calls: mpi 3000 us, ring 4000 us" in line
                for line in lines)

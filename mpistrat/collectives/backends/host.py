@@ -74,7 +74,8 @@ def host_allreduce(comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp, deadl
     if size > 1 and preference == "auto" and send.nbytes >= _TUNED_FROM:
         table = table_for(comm, deadline)  # measured choices (collectives/calibration.py)
         if table is not None:   # the table's choice, refined by real calls (refinement.py)
-            ran = run_refined(comm, table, send.nbytes, send.itemsize, deadline, run)
+            ran = run_refined(comm, table, send.nbytes, send.itemsize, deadline, run,
+                              in_place=send is recv)
             if ran is not None:
                 return ran
     # the topology matters only where the size rules leave a choice (it is measured once)

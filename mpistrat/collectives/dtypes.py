@@ -33,6 +33,7 @@ from mpistrat.collectives.reduce_op import ReduceOp
 """
 
 import functools
+import operator
 from typing import Any, Optional
 
 import numpy as np
@@ -195,21 +196,31 @@ def from_wire(piece: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return out.view(dtype).reshape(shape)
 
 
+_DTYPE_OF = operator.attrgetter("dtype")
+
+
 def refuse(what: str, arrays, op: Optional[ReduceOp], value: Any) -> None:
     """``TypeError`` naming the first tensor this collective cannot take (``op``: a reduction;
     ``None``: a gather or broadcast, which moves bits). Runs after the ranks agreed on the
-    signature (dtypes and op), so every rank raises together, before any data moves."""
-    for index, array in enumerate(arrays):
-        dtype = array.dtype
+    signature (dtypes and op), so every rank raises together, before any data moves.
+    Each distinct dtype is judged once (a list of 2000 float32 tensors: one judgement)."""
+    refused = {}
+    for dtype in set(map(_DTYPE_OF, arrays)):
         if op is None:
-            if dtype.kind != "O":
-                continue
-            why = f"{dtype} values cannot travel in a collective; pass arrays of numbers"
+            if dtype.kind == "O":
+                refused[dtype] = f"{dtype} values cannot travel in a collective; pass arrays " \
+                                 f"of numbers"
         else:
             why = refusal(dtype, op)
-            if why is None:
-                continue
-        from mpistrat.collectives.structure import leaf_names  # (the error path only)
+            if why is not None:
+                refused[dtype] = why
+    if not refused:
+        return
+    for index, array in enumerate(arrays):   # (the error path: the first refused tensor)
+        why = refused.get(array.dtype)
+        if why is None:
+            continue
+        from mpistrat.collectives.structure import leaf_names
         names = leaf_names(value)
         name = names[index] if len(names) == len(arrays) else f"tensor {index}"
         raise TypeError(f"{what}: {name}: {why}")

@@ -208,7 +208,7 @@ class CollectiveEngine:
                     if timeline.ON:
                         self._backend_name = _HOST_BACKEND.name
                     results = self._guard(_HOST_BACKEND.all_reduce, self.comm, arrays, op,
-                                          opts, deadline)
+                                          opts, deadline, signature)
                 else:
                     results = self._run(what, arrays, opts, lambda backend, idx: backend.all_reduce(
                         self.comm, [arrays[i] for i in idx], op, opts, deadline))

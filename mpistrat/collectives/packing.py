@@ -88,15 +88,18 @@ class FusedPlan:
 
 def fused_all_reduce(comm: MPI.Comm, arrays: Sequence[np.ndarray], op: ReduceOp, pack_bytes: int,
                      deadline: Optional[Deadline], plans: Dict[tuple, FusedPlan],
-                     combine: Optional[Callable[[np.ndarray, np.ndarray], object]] = None) -> List:
+                     combine: Optional[Callable[[np.ndarray, np.ndarray], object]] = None,
+                     signature: Optional[tuple] = None) -> List:
     """All-reduce a list of host arrays: fused buckets and lone large tensors.
 
     ``plans`` caches one ``FusedPlan`` per signature; results are new arrays
     (views of pooled buffers), the inputs are left untouched. ``combine(send,
     recv)`` runs one buffer's all-reduce (the host backend passes its
-    topology-aware choice); by default the algorithm that suits the size.
+    topology-aware choice); by default the algorithm that suits the size. ``signature``:
+    the arrays' ``(dtype, shape)`` pairs where the caller has built them already.
     """
-    signature = tuple(map(_DTYPE_SHAPE, arrays))
+    if signature is None:
+        signature = tuple(map(_DTYPE_SHAPE, arrays))
     key = (pack_bytes, op, signature)
     plan = plans.get(key)
     if plan is None:  # (wire_dtype raises TypeError for what the op cannot combine)

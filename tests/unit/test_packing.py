@@ -57,3 +57,29 @@ def test_bfloat16_bit_conversions_match_ml_dtypes_exactly():
     assert np.isnan(narrow[~finite].astype(f32)).all()
     assert from_wire(np.array(2.5, f32), bf16).shape == ()
     assert to_wire(np.ones((4, 3), bf16)[:, ::2], f32).shape == (4, 2)
+
+
+def test_refuse_names_the_first_refused_tensor_of_a_long_list_and_passes_a_clean_one():
+    """Each distinct dtype is judged once; the error still names the first refused tensor
+    by its place in the nest, whatever dtypes come before and after it."""
+    import pytest
+    from mpistrat.collectives.backends.base import DeviceBufferRefused, refuse_device_buffers
+    from mpistrat.collectives.dtypes import refuse
+    floats = [np.zeros(3, np.float32) for _ in range(1000)]
+    refuse("all_reduce SUM", floats, ReduceOp.SUM, floats)         # nothing to refuse
+    refuse_device_buffers(floats, "host-mpi")
+    mixed = {"a": floats[:5], "b": np.zeros(2, np.complex64), "c": np.zeros(2, bool)}
+    leaves = floats[:5] + [mixed["b"], mixed["c"]]
+    with pytest.raises(TypeError, match=r"all_reduce SUM: .*c.*does not apply to bool"):
+        refuse("all_reduce SUM", leaves, ReduceOp.SUM, mixed)
+    with pytest.raises(TypeError, match=r"all_reduce MAX: .*b.*no order for complex"):
+        refuse("all_reduce MAX", leaves, ReduceOp.MAX, mixed)
+    refuse("all_gather axis=0", leaves, None, mixed)     # a gather moves bits: all go
+    objects = [np.zeros(1), np.zeros(1, object)]
+    with pytest.raises(TypeError, match=r"\[1\]: object values cannot travel"):
+        refuse("all_gather axis=0", objects, None, objects)
+
+    class Device:   # any array exposing CUDA's interface, among NumPy arrays
+        __cuda_array_interface__ = {}
+    with pytest.raises(DeviceBufferRefused, match="tensor 1000"):
+        refuse_device_buffers(floats + [Device()], "host-mpi")

@@ -100,7 +100,9 @@ class HostMPI(Backend):
             return True, "host (NumPy) arrays travel over MPI"
         return False, f"{kind} arrays are device memory; this MPI path takes host memory only"
 
-    def all_reduce(self, comm, arrays, op, options, deadline):
+    def all_reduce(self, comm, arrays, op, options, deadline, signature=None):
+        """``signature``: the NumPy arrays' ``(dtype, shape)`` pairs, where the engine has
+        built them (for validation) already."""
         refuse_device_buffers(arrays, self.name)
         opts = options_of(options)
         preference = getattr(opts, "algorithm", "auto")
@@ -110,7 +112,7 @@ class HostMPI(Backend):
         # many tensors: fused by dtype into pooled buckets, planned once per signature
         return fused_all_reduce(comm, arrays, op, opts.pack_bytes, deadline, self._fused,
                                 lambda send, recv: host_allreduce(comm, send, recv, op, deadline,
-                                                                  preference))
+                                                                  preference), signature)
 
     def _reduce_one(self, comm, array, op, deadline, size, preference):
         """One tensor: no plan, no packing (the common case of scalars and large tensors)."""

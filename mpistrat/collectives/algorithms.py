@@ -56,6 +56,12 @@ RING_THRESHOLD_BYTES = settings.get("MPISTRAT_RING_THRESHOLD", at_import=True)
 # ones MPI's own: on real namespace hosts (2 x 2) hierarchical ran 0.64-0.77x raw at 64 MiB but
 # 0.95-1.19x at 16 MiB, where both send the minimum bytes (docs/benchmarks.md).
 HIERARCHICAL_THRESHOLD_BYTES = settings.get("MPISTRAT_HIERARCHICAL_THRESHOLD", at_import=True)
+# A buffer combined in place (a fused bucket, a reproducible sum's grid) on one node takes the
+# ring only from this size: in place, MPI's own beat the ring from 1 to 16 MiB at 2 and 4 ranks
+# on two machines, and lost at 64 MiB (docs/tuning.md). MPISTRAT_RING_THRESHOLD set by hand
+# is the threshold for both places.
+IN_PLACE_RING_THRESHOLD_BYTES = RING_THRESHOLD_BYTES if \
+    settings.is_set("MPISTRAT_RING_THRESHOLD") else max(RING_THRESHOLD_BYTES, 32 << 20)
 _RING_TAG = 0x7269
 # The most elements one MPI message carries: MPI's counts are C ints. Larger buffers are
 # combined and broadcast in pieces of this many elements (backends/host.py); tests lower it.
@@ -70,14 +76,14 @@ def ring_chunks(count: int, parts: int) -> List[Tuple[int, int]]:
     return even_ranges(count, parts)
 
 
-def choose_algorithm(nbytes: int, comm_size: int, threshold: int = RING_THRESHOLD_BYTES,
-                     topology=None, preference: str = "auto") -> str:
+def choose_algorithm(nbytes: int, comm_size: int, threshold: Optional[int] = None,
+                     topology=None, preference: str = "auto", in_place: bool = False) -> str:
     """The algorithm for one buffer: see ``explain_algorithm`` for the rules."""
-    return explain_algorithm(nbytes, comm_size, threshold, topology, preference)[0]
+    return explain_algorithm(nbytes, comm_size, threshold, topology, preference, in_place)[0]
 
 
-def explain_algorithm(nbytes: int, comm_size: int, threshold: int = RING_THRESHOLD_BYTES,
-                      topology=None, preference: str = "auto"):
+def explain_algorithm(nbytes: int, comm_size: int, threshold: Optional[int] = None,
+                      topology=None, preference: str = "auto", in_place: bool = False):
     """``(algorithm, why)`` for a buffer of ``nbytes`` over ``comm_size`` ranks.
 
     A ``preference`` other than ``"auto"`` (from ``cross_device_ops``) is
@@ -86,7 +92,11 @@ def explain_algorithm(nbytes: int, comm_size: int, threshold: int = RING_THRESHO
     rank each, ``ring`` (it sends fewer bytes per host link than Open MPI's
     default there, measured on real hosts); several nodes with several ranks
     on some, ``hierarchical`` (the flat ring crosses each link with 1.5x the
-    buffer at 2 x 2).
+    buffer at 2 x 2). ``threshold`` (``None``: ``RING_THRESHOLD_BYTES``, or on one node
+    for a buffer combined ``in_place``, ``IN_PLACE_RING_THRESHOLD_BYTES``) is "small".
+
+    >>> choose_algorithm(4 << 20, 2), choose_algorithm(4 << 20, 2, in_place=True)
+    ('ring', 'mpi')
 
     >>> from mpistrat.collectives.topology import make_topology
     >>> choose_algorithm(64 << 20, 4, topology=make_topology([0, 0, 1, 1], [None] * 4))
@@ -100,6 +110,10 @@ def explain_algorithm(nbytes: int, comm_size: int, threshold: int = RING_THRESHO
         return "mpi", "one rank: nothing crosses a link"
     if preference != "auto":
         return preference, f"asked for ({preference}) by cross_device_ops"
+    if threshold is None:
+        one_node = topology is None or topology.num_nodes <= 1
+        threshold = IN_PLACE_RING_THRESHOLD_BYTES if in_place and one_node else \
+            RING_THRESHOLD_BYTES
     if threshold < 0 or nbytes < threshold:
         return "mpi", (f"{nbytes} B is below the {threshold} B threshold: MPI's own is "
                        f"fastest for small messages" if threshold >= 0 else "ring turned off")

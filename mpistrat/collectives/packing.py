@@ -123,7 +123,8 @@ def fused_all_reduce(comm: MPI.Comm, arrays: Sequence[np.ndarray], op: ReduceOp,
             send = send.reshape(-1)
         # 2. combine across ranks with the algorithm that suits the size (and topology)
         if combine is None:
-            allreduce(comm, send, buffer, op, deadline, choose_algorithm(buffer.nbytes, size))
+            allreduce(comm, send, buffer, op, deadline,
+                      choose_algorithm(buffer.nbytes, size, in_place=send is buffer))
         else:
             combine(send, buffer)
         if op is ReduceOp.MEAN:

@@ -229,3 +229,29 @@ def test_refinement_off_keeps_the_calibrated_choice(comm):
     for _ in range(4):
         engine.all_reduce(np.ones(1 << 14, np.float32), "SUM")
     assert table.choices[key] == "ring" and not table.trials and not table.online
+
+
+def test_without_a_table_a_fused_bucket_takes_mpi_own_and_a_kept_tensor_the_ring(comm):
+    """The static rules (no table) by place: in place on one node MPI's own below
+    ``IN_PLACE_RING_THRESHOLD_BYTES``, out of place the ring from ``RING_THRESHOLD_BYTES``."""
+    from mpistrat.collectives import algorithms
+    if algorithms.IN_PLACE_RING_THRESHOLD_BYTES <= 4 << 20 or \
+            not 0 <= algorithms.RING_THRESHOLD_BYTES <= 2 << 20:
+        pytest.skip("MPISTRAT_RING_THRESHOLD set by hand: one threshold for both places")
+    calibration.install(comm, None)
+    engine = CollectiveEngine(comm)
+    lone = np.ones(1 << 19, np.float32)                                 # 2 MiB, kept
+    small = [np.full(1 << 14, 1.0, np.float32) for _ in range(40)]      # one 2.5 MiB bucket
+    for value, expected in ((lone, "step"), (small, "call")):
+        with algorithms.recording() as events:
+            totals = engine.all_reduce(value, "SUM")
+        for total in (totals if isinstance(totals, list) else [totals]):
+            np.testing.assert_array_equal(total, np.full(total.shape, comm.Get_size(),
+                                                         np.float32))
+        if comm.Get_size() > 1 and topology_is_one_node(comm):
+            assert {event[0] for event in events} == {expected}, events[:3]
+
+
+def topology_is_one_node(comm) -> bool:
+    from mpistrat.collectives.topology import comm_topology
+    return comm_topology(comm).num_nodes == 1

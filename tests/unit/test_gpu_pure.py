@@ -131,6 +131,16 @@ def test_algorithm_chosen_by_topology():
     two_by_one = make_topology([0, 1], [None] * 2)
     assert explain_algorithm(64 << 20, 2, topology=two_by_one)[0] == "mpi"
     assert explain_algorithm(8, 4, preference="reduce_broadcast")[0] == "reduce_broadcast"
+    # in place on one node, MPI's own up to the in-place threshold, the ring from there;
+    # across nodes the place changes nothing
+    for nbytes in (1 << 20, 4 << 20, 16 << 20):
+        assert explain_algorithm(nbytes, 4, topology=one_node)[0] == "ring"
+        assert explain_algorithm(nbytes, 4, topology=one_node, in_place=True)[0] == "mpi"
+    assert explain_algorithm(64 << 20, 4, topology=one_node, in_place=True)[0] == "ring"
+    assert explain_algorithm(64 << 20, 4, topology=two_by_two, in_place=True)[0] == \
+        "hierarchical"
+    assert explain_algorithm(4 << 20, 3, topology=three_by_one, in_place=True)[0] == "ring"
+    assert explain_algorithm(4 << 20, 4, threshold=1 << 20, in_place=True)[0] == "ring"
     with pytest.raises(ValueError):
         explain_algorithm(8, 4, preference="butterfly")
     # NCCL: its own algorithm, hierarchical where ranks on different nodes share a GPU

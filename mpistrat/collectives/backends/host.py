@@ -82,7 +82,8 @@ def host_allreduce(comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp, deadl
     needs_topology = size > 1 and preference == "auto" and \
         0 <= RING_THRESHOLD_BYTES <= send.nbytes
     topology = comm_topology(comm, deadline) if needs_topology else None
-    algorithm = choose_algorithm(send.nbytes, size, topology=topology, preference=preference)
+    algorithm = choose_algorithm(send.nbytes, size, topology=topology, preference=preference,
+                                 in_place=send is recv)
     run(algorithm)
     return algorithm
 

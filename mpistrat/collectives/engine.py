@@ -272,15 +272,27 @@ class CollectiveEngine:
                 return None
             what = _ALL_REDUCE_WHAT[exact]
             signature = _signature([array])
+            probe = self._probe.ready(what, signature)
+            float_mean = exact is ReduceOp.MEAN and array.dtype.kind == "f"
+            # made once per op, dtype and shape: the probe's payload and sums as arrays of
+            # the shape, and the float MEAN's divisor (fold_result's arithmetic: divided in
+            # float64, then rounded once into the dtype)
             ready = self._small_probes[(op, array.dtype, array.shape)] = (
-                exact, what, signature, self._probe.ready(what, signature))
+                exact, what, signature, probe,
+                np.frombuffer(probe[0], np.float64, array.size).reshape(array.shape),
+                self._probe.recv_values[:array.size].reshape(array.shape),
+                float(self.size) if float_mean else None)
         if timeline.ON or self._broken:
             return None
         self._calls += 1
-        exact, what, signature, probe = ready
+        exact, what, signature, probe, payload, sums, divisor = ready
         if self._trace:
             self._trace_fold(what, array.size)
-        sums = self._probe.sum_array(probe, what, signature, array).reshape(array.shape)
+        np.copyto(payload, array)
+        self._probe.exchange(probe, what, signature)
+        if divisor is not None:
+            mean = sums / divisor
+            return mean if array.dtype == _FLOAT64 else mean.astype(array.dtype)
         return fold_result(sums.copy(), exact, self.size, array.dtype)
 
     def count_ranks(self, flags: Sequence[bool]) -> Sequence[float]:

@@ -212,7 +212,7 @@ class Probe:
         send, _ = ready
         for index, value in enumerate(values):
             send[index] = value
-        return self._exchange(ready, what, signature)[:len(values)]
+        return self.exchange(ready, what, signature)[:len(values)]
 
     def sum_array(self, ready: Tuple[array, array], what: str, signature: Signature,
                   values: np.ndarray) -> np.ndarray:
@@ -220,16 +220,16 @@ class Probe:
         sums, flat (a view valid until the next call)."""
         count = values.size
         np.copyto(np.frombuffer(ready[0], dtype=np.float64, count=count), values.reshape(-1))
-        self._exchange(ready, what, signature)
+        self.exchange(ready, what, signature)
         return self.recv_values[:count]
 
     def sum_ready(self, ready: Tuple[array, array], what: str, signature: Signature,
                   value: float) -> float:
         """The SUM over ranks of one float in a ``ready`` probe, validated (one collective)."""
         ready[0][0] = value
-        return self._exchange(ready, what, signature)[0]
+        return self.exchange(ready, what, signature)[0]
 
-    def _exchange(self, ready: Tuple[array, array], what: str, signature: Signature) -> array:
+    def exchange(self, ready: Tuple[array, array], what: str, signature: Signature) -> array:
         """One untimed ``Iallreduce`` of a ``ready`` probe; the received probe, its hash
         slots checked (a mismatch raises on every rank, naming what each rank called)."""
         send, expected = ready

@@ -158,3 +158,33 @@ def test_small_arrays_ride_in_the_probe_with_the_long_paths_values(world, op, dt
     again = strategy.reduce(op, mine, axis=None)
     assert again is not fast
     np.testing.assert_array_equal(fast, again)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.uint8])
+@pytest.mark.parametrize("shape", [(8,), (2, 3), (1,)])
+def test_small_array_means_are_the_long_path_bits_and_new_arrays(world, dtype, shape):
+    """A small array's SUM and MEAN through the probe: summed exactly in float64, a MEAN
+    divided there, rounded once into the dtype (integers: the timed long path's bits,
+    which never folds); each result is an array of its own, which the next call does not
+    overwrite."""
+    strategy = ms.MultiWorkerMirroredStrategy()
+    rng = np.random.default_rng(world.rank)
+    value = (rng.standard_normal(shape) * 100).astype(dtype)
+    if dtype is np.float64:   # MPI sums float64 in float64: dyadic values, exact in any order
+        value = rng.integers(-400, 400, shape) / 4.0
+    everyone = np.stack(world.comm.allgather(value)).reshape(world.size, -1)
+    timed = ms.CommunicationOptions(timeout_seconds=60.0)
+    for op in ("MEAN", "SUM"):
+        got = strategy.reduce(op, value, axis=None)
+        assert got.dtype == np.dtype(dtype) and got.shape == shape
+        if np.dtype(dtype).kind == "f":
+            exact = np.array([math.fsum(float(v) for v in column) for column in everyone.T])
+            want = (exact / world.size if op == "MEAN" else exact).astype(dtype)
+        else:
+            want = strategy.extended.engine.all_reduce(value, op, timed)
+        np.testing.assert_array_equal(got.reshape(-1).view(np.uint8),
+                                      want.reshape(-1).view(np.uint8))
+        kept = got.copy()
+        strategy.reduce(op, value + 1, axis=None)        # the same probe, other values
+        np.testing.assert_array_equal(got, kept)

@@ -234,7 +234,8 @@ class CollectiveEngine:
             return None
         if ready is None:
             if kind is not float and kind not in _FOLD_SCALARS:
-                return None
+                return self._reduce_jax(op, value) if kind.__name__ == "ArrayImpl" and \
+                    array_kind(value) == "jax" else None
             exact = ReduceOp.from_any(op)
             if not self._folds_plain or exact not in _EXACT or len(self._scalar_probes) > 64:
                 return None
@@ -256,6 +257,16 @@ class CollectiveEngine:
         if integer:  # an exact integer: a SUM beyond the dtype wraps, as MPI's does
             return np.array(int(total), np.int64).astype(make)[()]
         return make(total)
+
+    def _reduce_jax(self, op, value) -> Any:
+        """``reduce_scalar`` for a JAX array of at most ``PAYLOAD_SLOTS`` values of a
+        ``FOLDABLE`` dtype (a loss): its host copy takes the NumPy path, and the result goes
+        back to its device as the long path's would."""
+        if value.size > PAYLOAD_SLOTS or value.dtype not in FOLDABLE:
+            return None
+        host = np.asarray(value)
+        total = self.reduce_scalar(op, host[()] if host.ndim == 0 else host)
+        return None if total is None else from_host(np.asarray(total), value)
 
     def _reduce_small(self, op, array: np.ndarray) -> Optional[np.ndarray]:
         """``reduce_scalar`` for a NumPy array of 1 to ``PAYLOAD_SLOTS`` values of a

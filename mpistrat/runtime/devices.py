@@ -182,5 +182,9 @@ def from_host(host: np.ndarray, like: Any) -> Any:
     if kind == "jax":
         import jax
         sharding = getattr(like, "sharding", None)
-        return jax.device_put(host, sharding) if sharding is not None else jax.numpy.asarray(host)
+        if sharding is None or not getattr(like, "committed", True):
+            # an uncommitted array lives on the default device, as jnp.asarray's result does,
+            # which stays uncommitted too (device_put would commit it), in half the time
+            return jax.numpy.asarray(host)
+        return jax.device_put(host, sharding)
     return host

@@ -188,3 +188,29 @@ def test_small_array_means_are_the_long_path_bits_and_new_arrays(world, dtype, s
         kept = got.copy()
         strategy.reduce(op, value + 1, axis=None)        # the same probe, other values
         np.testing.assert_array_equal(got, kept)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("shape", [(), (3,)])
+def test_jax_losses_take_the_hot_path_and_keep_their_device_and_commitment(world, shape):
+    """A JAX loss (0-d or a few values) is reduced through the probe: a JAX array again, of
+    its dtype, with the long path's value; an uncommitted input gives an uncommitted result
+    (jnp.asarray), one committed to a device a result committed to that device."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    strategy = ms.MultiWorkerMirroredStrategy()
+    base = np.full(shape, 0.25 * world.rank + 1.0, np.float32)   # dyadic: exact sums
+    want = np.full(shape, sum(0.25 * r + 1.0 for r in range(world.size)) / world.size,
+                   np.float32)
+    device = jax.devices()[0]
+    for value, committed in ((jnp.asarray(base), False), (jax.device_put(base, device), True)):
+        got = strategy.reduce("MEAN", value, axis=None)
+        assert isinstance(got, jax.Array) and got.dtype == jnp.float32 and got.shape == shape
+        assert got.committed is committed and got.devices() == {device}
+        np.testing.assert_array_equal(np.asarray(got), want)
+        long = strategy.extended.engine.all_reduce(value, "MEAN")      # the long path
+        assert isinstance(long, jax.Array) and long.committed is committed
+        np.testing.assert_array_equal(np.asarray(long), want)
+    wide = jnp.zeros(64, jnp.float32)                               # too many values: long path
+    np.testing.assert_array_equal(np.asarray(strategy.reduce("SUM", wide, axis=None)),
+                                  np.zeros(64, np.float32))

@@ -119,6 +119,7 @@ class CollectiveEngine:
         self._scalar_probes: Dict[tuple, tuple] = {}  # reduce_scalar's probes, by op and type
         self._flag_probes: Dict[int, tuple] = {}      # count_ranks' probes, by flag count
         self._small_probes: Dict[tuple, tuple] = {}   # small arrays', by op, dtype, shape
+        self._exact_guesses: Dict[tuple, tuple] = {}  # reproducible sums' exponents, guessed
 
     # -- the common prologue -------------------------------------------------
     def _prologue(self, what: str, options: Optional[CommunicationOptions]):
@@ -383,7 +384,7 @@ class CollectiveEngine:
                 self.comm, [wires[i] for i in idx], ReduceOp.SUM, opts, deadline))
 
         sums, counts = self._guard(exact_sum, self.comm, hosts, axis, sum_across, deadline,
-                                   op is ReduceOp.MEAN)
+                                   op is ReduceOp.MEAN, self._exact_guesses)
         if kinds != {"numpy"}:
             sums = [from_host(s, a) if array_kind(a) != "numpy" else s
                     for s, a in zip(sums, arrays)]

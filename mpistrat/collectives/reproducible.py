@@ -116,13 +116,45 @@ def max_exponent(array: np.ndarray) -> int:
     array = _real(array)
     if array.size == 0:
         return ZERO
-    high, low = _max_min(array.reshape(-1))
+    return _exponent_of(*_max_min(array.reshape(-1)))
+
+
+def _exponent_of(high, low) -> int:
+    """``max_exponent`` of values whose largest is ``high`` and smallest ``low``."""
     if not (np.isfinite(high) and np.isfinite(low)):
         return NONFINITE
     biggest = max(float(high), -float(low))
     if biggest == 0.0:
         return ZERO
     return int(np.frexp(biggest)[1])
+
+
+def _magic(wire: np.dtype, exponent: int, fraction_bits: int):
+    """The constant ``C`` of the float wire's rounding ``(x + C) - C`` onto ``2**(E-F)``."""
+    step = exponent - fraction_bits
+    return wire.type(1.5 * 2.0 ** (step + _SIGNIFICAND[wire.itemsize] - 1))
+
+
+def exponent_and_grid(array: np.ndarray, exponent: int, fraction_bits: int, wire):
+    """``(max_exponent(array), to_fixed(array, exponent, fraction_bits, wire))`` for a float
+    ``wire``, in one pass: each block is read from memory once, for its largest and smallest
+    values, and rounded from cache. The grid is the one a guessed ``exponent`` gives; it is
+    ``to_fixed``'s only where the exponent found (agreed over ranks) is that guess."""
+    real = _real(np.asarray(array))
+    wire = np.dtype(wire)
+    magic = _magic(wire, exponent, fraction_bits)
+    grid = default_pool().take(real.shape, wire)
+    if real.size == 0:
+        return ZERO, grid
+    flat_in, flat_out = real.reshape(-1), grid.reshape(-1)
+    highs, lows = [], []
+    for start in range(0, flat_out.size, _BLOCK):
+        block, out = flat_in[start:start + _BLOCK], flat_out[start:start + _BLOCK]
+        highs.append(block.max())
+        lows.append(block.min())
+        np.add(block, magic, out=out)
+        np.subtract(out, magic, out=out)
+    return _exponent_of(np.max(highs), np.min(lows)), grid
 
 
 def grid_for(dtype, exponent: int, count: int) -> Tuple[np.dtype, int]:
@@ -184,8 +216,7 @@ def to_fixed(array: np.ndarray, exponent: int, fraction_bits: int, wire,
         return np.zeros(tuple(int(d) for d in shape), dtype=wire)
     pool = default_pool()
     if wire.kind == "f":  # round onto the grid in the float itself: (x + C) - C
-        step = exponent - fraction_bits
-        magic = wire.type(1.5 * 2.0 ** (step + _SIGNIFICAND[wire.itemsize] - 1))
+        magic = _magic(wire, exponent, fraction_bits)
         grid = pool.take(real.shape, wire)
         flat_in, flat_out = real.reshape(-1), grid.reshape(-1)
         for start in range(0, flat_out.size, _BLOCK):  # block by block: subtract from cache
@@ -224,10 +255,21 @@ def from_fixed(total: np.ndarray, exponent: int, fraction_bits: int, dtype,
     return out.astype(dtype, copy=False)
 
 
+def _remember(guesses: dict, key, exponent: int, count: int, wire: np.dtype, bits: int) -> None:
+    """Keep an agreed exponent as the next call's guess, where it gives a float wire."""
+    if wire.kind != "f" or exponent == ZERO:
+        guesses.pop(key, None)
+        return
+    if len(guesses) > 4096:
+        guesses.clear()
+    guesses[key] = (exponent, count, wire, bits)
+
+
 def exact_sum(comm: MPI.Comm, arrays: Sequence[np.ndarray], axis: Optional[int],
               all_reduce_sum: Callable[[List[np.ndarray]], List[np.ndarray]],
               deadline: Optional[Deadline] = None,
-              mean: bool = False) -> Tuple[List[np.ndarray], List[int]]:
+              mean: bool = False,
+              guesses: Optional[dict] = None) -> Tuple[List[np.ndarray], List[int]]:
     """Reproducible SUM of ``arrays`` over ``comm``: element-wise (``axis=None``) or of
     all rows along ``axis``. Returns the sums (``mean``: divided by the summand count
     before the one rounding; integers truncate toward zero) in each array's dtype, and each
@@ -235,12 +277,33 @@ def exact_sum(comm: MPI.Comm, arrays: Sequence[np.ndarray], axis: Optional[int],
 
     ``all_reduce_sum(list)`` must SUM a list of arrays across ranks (it may fuse
     them); it is called once, with every tensor's integers and every integer tensor.
+
+    ``guesses`` (a dict the caller keeps between calls): element-wise, a tensor whose
+    previous call of the same place, dtype and shape agreed on an exponent and count that
+    give a float wire is rounded with that exponent while its own is found
+    (``exponent_and_grid``: one pass instead of two). Where the agreed exponent or count
+    differ from the guess, the grid is made again with the agreed ones: the result is
+    ``to_fixed``'s either way, bit for bit; a guess only saves a pass.
     """
     arrays = [np.asarray(a) for a in arrays]
     exact = [i for i, a in enumerate(arrays) if is_exact_kind(a.dtype)]
     rows = [1 if axis is None else a.shape[axis] for a in arrays]
-    # 1. agree on each tensor's exponent and summand count (one small Allgather)
-    mine = np.array([max_exponent(arrays[i]) for i in exact] + rows, dtype=np.int64)
+    # 1. agree on each tensor's exponent and summand count (one small Allgather); a tensor
+    #    with a usable guess is rounded on the guessed grid in the same pass
+    guessed = {}   # index -> (guessed exponent, guessed count, the grid made with them)
+    found = []
+    for index in exact:
+        array = arrays[index]
+        key = (index, array.dtype.str, array.shape)
+        guess = guesses.get(key) if guesses is not None and axis is None else None
+        if guess is None:
+            found.append(max_exponent(array))
+            continue
+        exponent, count, wire, bits = guess
+        mine_exponent, grid = exponent_and_grid(array, exponent, bits, wire)
+        guessed[index] = (exponent, count, grid)
+        found.append(mine_exponent)
+    mine = np.array(found + rows, dtype=np.int64)
     table = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
     if deadline is None:
         comm.Allgather(mine, table)
@@ -258,7 +321,14 @@ def exact_sum(comm: MPI.Comm, arrays: Sequence[np.ndarray], axis: Optional[int],
         if exponent != NONFINITE:
             wire, bits = grid_for(array.dtype, exponent, counts[index])
             grids[index] = (exponent, bits)
-            wires.append(to_fixed(array, exponent, bits, wire, axis))
+            guess = guessed.pop(index, None)
+            if guess is not None and guess[:2] == (exponent, counts[index]):
+                wires.append(guess[2])   # the guessed grid is the agreed one
+            else:
+                wires.append(to_fixed(array, exponent, bits, wire, axis))
+            if guesses is not None and axis is None:
+                _remember(guesses, (index, array.dtype.str, array.shape), exponent,
+                          counts[index], wire, bits)
         else:  # integers in 64 bits (exact, and a MEAN of uint8 cannot wrap), floats wide
             wide = accumulator(array.dtype, ReduceOp.MEAN)
             wires.append(array.astype(wide, copy=False) if axis is None

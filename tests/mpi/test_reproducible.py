@@ -173,3 +173,22 @@ def test_timed_deterministic_sum(world, arrays):
     out = engine.all_reduce(arrays.asarray(rank_values(world.rank)[:500]), "SUM")
     arrays.assert_kind(out)
     assert arrays.numpy(out).tobytes() == reference_sum(every).tobytes()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_guessed_exponents_never_change_a_bit_when_ranks_change_scale_apart(world):
+    """One engine reduces a tensor whose scale changes between calls on some ranks only, so
+    each rank's guess is right or wrong on its own: every result has the bits of the
+    reference (and of an engine without guesses); NaN and zeros between the calls too."""
+    engine = CollectiveEngine(world.comm, ms.CommunicationOptions(deterministic=True))
+    base = np.stack([rank_values(r) for r in range(world.size)])
+    for call, scale in enumerate([1.0, 1.0, 8.0, 8.0, 1e-4, 0.0, 1.0, float("nan"), 1.0]):
+        factors = np.ones(world.size)
+        factors[call % world.size] = scale        # one rank changes scale at each call
+        every = base * factors[:, None].astype(np.float32)
+        got = engine.all_reduce(every[world.rank], "SUM")
+        fresh = CollectiveEngine(world.comm, ms.CommunicationOptions(deterministic=True))
+        plain = fresh.all_reduce(every[world.rank], "SUM")
+        assert got.tobytes() == plain.tobytes(), call
+        if np.isfinite(every).all() and every.any():
+            assert got.tobytes() == reference_sum(every).tobytes(), call

@@ -103,3 +103,52 @@ def test_tiny_and_huge_magnitudes_scale_without_overflow():
     assert exact_fixed_sum(huge)[0] == 0.0       # 1.0 is below the grid of 1e300: documented
     big = np.array([[3e38], [-1e38]], np.float32)
     np.testing.assert_allclose(exact_fixed_sum(big), [2e38], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64])
+def test_a_guessed_exponent_saves_a_pass_and_never_changes_a_bit(dtype):
+    """A sequence of calls whose magnitudes change (the guess right, then wrong, then zero,
+    NaN, then right again): with guesses every result has the bits of the call without."""
+    from mpi4py import MPI
+    from mpistrat.collectives import reproducible
+    from mpistrat.collectives.reproducible import exact_sum
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal((3, 5000)).astype(dtype)
+    if np.dtype(dtype).kind == "c":
+        base = base + 1j * rng.standard_normal((3, 5000)).astype(dtype)
+    with_nan = base.copy()
+    with_nan[1, 7] = np.nan
+    sequence = [base, base * 1.01, base * 3.0, base * 1e-3, np.zeros_like(base), with_nan,
+                base, base]
+    guesses, passes = {}, []
+    original = reproducible.exponent_and_grid
+
+    def counted(*args):
+        passes.append(args[1])
+        return original(*args)
+    reproducible.exponent_and_grid = counted
+    try:
+        for values in sequence:
+            for mean in (False, True):
+                plain = exact_sum(MPI.COMM_SELF, [values], None, lambda w: w, mean=mean)[0][0]
+                fast = exact_sum(MPI.COMM_SELF, [values], None, lambda w: w, mean=mean,
+                                 guesses=guesses)[0][0]
+                assert fast.dtype == plain.dtype == np.dtype(dtype)
+                np.testing.assert_array_equal(fast.view(np.uint8), plain.view(np.uint8))
+    finally:
+        reproducible.exponent_and_grid = original
+    # one pass wherever a guess was kept: not the first call, nor after an all-zero or
+    # non-finite tensor (no grid to guess), up to the next finite one (16 calls - 5)
+    assert len(passes) == 2 * len(sequence) - 5
+
+
+def test_the_one_pass_grid_is_to_fixed_where_the_guess_is_right():
+    from mpistrat.collectives.reproducible import exponent_and_grid
+    x = np.random.default_rng(1).standard_normal(300_001).astype(np.float32) * 7
+    e = max_exponent(x)
+    wire, bits = grid_for(x.dtype, e, 3)
+    found, grid = exponent_and_grid(x, e, bits, wire)
+    assert found == e
+    np.testing.assert_array_equal(grid, to_fixed(x, e, bits, wire))
+    wrong, _ = exponent_and_grid(x * 4, e, bits, wire)
+    assert wrong == e + 2                                # the real exponent, whatever the guess

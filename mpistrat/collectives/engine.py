@@ -14,10 +14,8 @@ when ``MPISTRAT_TRACE=1``, runs, and rebuilds the structure::
 """
 
 import logging
-import math
-import operator
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -28,10 +26,12 @@ from mpistrat.collectives.dtypes import dtype_code, refuse
 from mpistrat.collectives.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.collectives.reproducible import deterministic_default, exact_sum
-from mpistrat.collectives.structure import flatten
+from mpistrat.collectives.small_reductions import (ALL_REDUCE_WHAT, EXACT, FOLD_SCALARS,
+                                                   SmallReductions)
+from mpistrat.collectives.structure import flatten, signature_of
 from mpistrat.collectives.topology import comm_topology
-from mpistrat.collectives.validation import (FOLDABLE, PAYLOAD_SLOTS, Probe, agree, fold_result,
-                                             start_agree, validation_enabled)
+from mpistrat.collectives.validation import (FOLDABLE, PAYLOAD_SLOTS, Probe, agree, start_agree,
+                                             validation_enabled)
 from mpistrat.errors import AbortedError, DeadlineExceededError, InvalidArgumentError
 from mpistrat.runtime import settings
 from mpistrat.runtime import timeline
@@ -66,35 +66,19 @@ def _as_array(value: Any):
     return value if array_kind(value) != "numpy" else np.asarray(value)
 
 
-_DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
-_NDARRAY_ONLY = {np.ndarray}
-
-
-def _signature(arrays) -> tuple:
-    """``(dtype, shape)`` per tensor, built in C (``map``): the key of every cache. Device
-    arrays also carry their kind (ranks that mix NumPy and CuPy would pick different backends)."""
-    signature = tuple(map(_DTYPE_SHAPE, arrays))
-    if set(map(type, arrays)) <= _NDARRAY_ONLY:
-        return signature
-    kinds = [array_kind(a) for a in arrays]
-    if all(kind == "numpy" for kind in kinds):
-        return signature
-    return tuple((dtype if kind == "numpy" else f"{dtype_code(dtype)}@{kind}", tuple(shape))
-                 for kind, (dtype, shape) in zip(kinds, signature))
-
-
 def _dtype_key(array) -> str:
     """A dtype as NumPy's short code (``dtypes.dtype_code``), with the kind of a device array."""
     return dtype_code(array.dtype) if type(array) is np.ndarray else \
         f"{dtype_code(array.dtype)}@{array_kind(array)}".replace("@numpy", "")
 
 
-_ALL_REDUCE_WHAT = {op: f"all_reduce {op.name}" for op in ReduceOp}
-_EXACT = (ReduceOp.SUM, ReduceOp.MEAN)
+_ALL_REDUCE_WHAT = ALL_REDUCE_WHAT
+_EXACT = EXACT
+_NDARRAY_ONLY = {np.ndarray}
 _ENGINES = [0]  # engines made so far: ids that match across ranks (made in the same order)
 
 
-class CollectiveEngine:
+class CollectiveEngine(SmallReductions):
     """Collectives over one communicator: ``all_reduce``, ``all_gather``, ``broadcast``.
 
     After a collective times out the ranks are out of step; the engine then
@@ -198,7 +182,7 @@ class CollectiveEngine:
             results = self._exact(arrays, op, None, options, value)[0]
         else:
             what = _ALL_REDUCE_WHAT[op]
-            signature = _signature(arrays)
+            signature = signature_of(arrays)
             if len(arrays) == 1 and op in _EXACT and arrays[0].size <= PAYLOAD_SLOTS and \
                     arrays[0].dtype in FOLDABLE and self._folds(options):
                 results = [self._fold_small(op, arrays[0], signature)]
@@ -218,139 +202,6 @@ class CollectiveEngine:
         if flat:
             return results if kind is list else tuple(results)
         return rebuild(results)
-
-    def reduce_scalar(self, op, value) -> Any:
-        """``all_reduce`` of a Python float (as a NumPy ``float64``) or of a NumPy scalar of a
-        ``FOLDABLE`` dtype (as a scalar of its dtype), or ``None`` where the value does not
-        ride in the validation probe (then ``all_reduce`` takes it): the scalar hot path of
-        ``Strategy.reduce`` (a loss, a count), one collective and no arrays. The result is
-        ``all_reduce``'s: summed in float64 (exact for these values), a MEAN divided (integers
-        truncated toward zero), rounded once to the dtype."""
-        kind = type(value)
-        if kind is np.ndarray:
-            return self._reduce_small(op, value)
-        try:
-            ready = self._scalar_probes.get((op, kind))  # by the op as given ("SUM", ...)
-        except TypeError:  # (an unhashable op: the long path names it)
-            return None
-        if ready is None:
-            if kind is not float and kind not in _FOLD_SCALARS:
-                return self._reduce_jax(op, value) if kind.__name__ == "ArrayImpl" and \
-                    array_kind(value) == "jax" else None
-            exact = ReduceOp.from_any(op)
-            if not self._folds_plain or exact not in _EXACT or len(self._scalar_probes) > 64:
-                return None
-            what = _ALL_REDUCE_WHAT[exact]
-            signature = _SCALAR_SIGNATURE if kind is float else _signature([value])
-            dtype = np.dtype(kind) if kind is not float else _FLOAT64
-            ready = self._scalar_probes[(op, kind)] = (
-                exact is ReduceOp.MEAN, dtype.kind in "iu", dtype.type, what, signature,
-                self._probe.ready(what, signature))
-        if timeline.ON or self._broken:
-            return None  # (all_reduce records the call, or refuses it)
-        self._calls += 1
-        mean, integer, make, what, signature, probe = ready
-        if self._trace:
-            self._trace_fold(what, 1)
-        total = self._probe.sum_ready(probe, what, signature, float(value))
-        if mean:
-            total = math.trunc(total / self.size) if integer else total / self.size
-        if integer:  # an exact integer: a SUM beyond the dtype wraps, as MPI's does
-            return np.array(int(total), np.int64).astype(make)[()]
-        return make(total)
-
-    def _reduce_jax(self, op, value) -> Any:
-        """``reduce_scalar`` for a JAX array of at most ``PAYLOAD_SLOTS`` values of a
-        ``FOLDABLE`` dtype (a loss): its host copy takes the NumPy path, and the result goes
-        back to its device as the long path's would."""
-        if value.size > PAYLOAD_SLOTS or value.dtype not in FOLDABLE:
-            return None
-        host = np.asarray(value)
-        total = self.reduce_scalar(op, host[()] if host.ndim == 0 else host)
-        return None if total is None else from_host(np.asarray(total), value)
-
-    def _reduce_small(self, op, array: np.ndarray) -> Optional[np.ndarray]:
-        """``reduce_scalar`` for a NumPy array of 1 to ``PAYLOAD_SLOTS`` values of a
-        ``FOLDABLE`` dtype (at least one dimension): a new array of its dtype and shape."""
-        try:
-            ready = self._small_probes.get((op, array.dtype, array.shape))
-        except TypeError:
-            return None
-        if ready is None:
-            if not (0 < array.size <= PAYLOAD_SLOTS and array.ndim and array.dtype in FOLDABLE):
-                return None
-            exact = ReduceOp.from_any(op)
-            if not self._folds_plain or exact not in _EXACT or len(self._small_probes) > 64:
-                return None
-            what = _ALL_REDUCE_WHAT[exact]
-            signature = _signature([array])
-            probe = self._probe.ready(what, signature)
-            float_mean = exact is ReduceOp.MEAN and array.dtype.kind == "f"
-            # made once per op, dtype and shape: the probe's payload and sums as arrays of
-            # the shape, and the float MEAN's divisor (fold_result's arithmetic: divided in
-            # float64, then rounded once into the dtype)
-            ready = self._small_probes[(op, array.dtype, array.shape)] = (
-                exact, what, signature, probe,
-                np.frombuffer(probe[0], np.float64, array.size).reshape(array.shape),
-                self._probe.recv_values[:array.size].reshape(array.shape),
-                float(self.size) if float_mean else None)
-        if timeline.ON or self._broken:
-            return None
-        self._calls += 1
-        exact, what, signature, probe, payload, sums, divisor = ready
-        if self._trace:
-            self._trace_fold(what, array.size)
-        np.copyto(payload, array)
-        self._probe.exchange(probe, what, signature)
-        if divisor is not None:
-            mean = sums / divisor
-            return mean if array.dtype == _FLOAT64 else mean.astype(array.dtype)
-        return fold_result(sums.copy(), exact, self.size, array.dtype)
-
-    def count_ranks(self, flags: Sequence[bool]) -> Sequence[float]:
-        """How many ranks raise each of a few flags: the float64 SUM of ``flags`` over ranks
-        (what ``all_reduce`` of ``np.array(flags, np.float64)`` gives, one collective in
-        the validation probe), from a probe kept ready per flag count: the per-step
-        lockstep of distributed datasets."""
-        count = len(flags)
-        ready = self._flag_probes.get(count)
-        if ready is None or timeline.ON or self._broken:
-            if ready is None and self._folds_plain and 0 < count <= PAYLOAD_SLOTS:
-                signature = _signature([np.zeros(count)])
-                self._flag_probes[count] = (signature, self._probe.ready(
-                    _ALL_REDUCE_WHAT[ReduceOp.SUM], signature))
-            return self.all_reduce(np.array(flags, np.float64), ReduceOp.SUM)
-        self._calls += 1
-        signature, probe = ready
-        if self._trace:
-            self._trace_fold(_ALL_REDUCE_WHAT[ReduceOp.SUM], count)
-        return self._probe.sum_values(probe, _ALL_REDUCE_WHAT[ReduceOp.SUM], signature, flags)
-
-    # -- the validated small SUM: the probe carries the values (validation.Probe) --------
-    def _folds(self, options: Optional[CommunicationOptions] = None) -> bool:
-        """Whether a small float64 SUM/MEAN rides with the validation probe: validated,
-        several ranks, no deadline, not deterministic (all part of what ranks agree on)."""
-        if not self.validate or self.size == 1 or self.deterministic or self.options.deterministic:
-            return False
-        if options is not None and (options.deterministic or options.timeout_seconds is not None):
-            return False
-        return self.options.timeout_seconds is None and self.default_timeout is None
-
-    def _trace_fold(self, what: str, elements: int, kind: str = "numpy") -> None:
-        log.debug("#%d %s: 1 tensors, %d elements, timeout=None", self._calls, what, elements)
-        log.debug("#%d %s: 1 %s tensors via %s (inside the validation probe)", self._calls, what,
-                  kind, _HOST_BACKEND.name)
-
-    def _fold_small(self, op: ReduceOp, array, signature: tuple):
-        _, _, deadline = self._prologue("all_reduce", None)
-        if self._trace:
-            self._trace_fold(_ALL_REDUCE_WHAT[op], array.size, array_kind(array))
-        host = array if type(array) is np.ndarray else to_host(array)
-        sums = self._probe.sum_with(_ALL_REDUCE_WHAT[op], signature, deadline, host)
-        out = fold_result(sums.reshape(host.shape).copy(), op, self.size, host.dtype)
-        if timeline.ON:
-            self._backend_name = "validation-probe"
-        return out if type(array) is np.ndarray else from_host(out, array)
 
     def is_deterministic(self, options: Optional[CommunicationOptions] = None) -> bool:
         """Whether SUM and MEAN take the reproducible path for these per-call options."""
@@ -445,7 +296,7 @@ class CollectiveEngine:
         leaves, rebuild = flatten(value)
         arrays = [_as_array(v) for v in leaves]
         what = f"broadcast root={root}"
-        opts, deadline = self._begin(what, _signature(arrays), options)
+        opts, deadline = self._begin(what, signature_of(arrays), options)
         refuse(what, arrays, None, value)
         results = self._run(what, arrays, opts, lambda backend, idx: backend.broadcast(
             self.comm, [arrays[i] for i in idx], root, deadline))
@@ -497,8 +348,6 @@ def _axis_or_none(axis: int, ndim: int) -> Optional[int]:
     return None
 
 
-_SCALAR_SIGNATURE = _signature([np.float64(0.0)])  # a Python float's, as the long path builds it
-_FLOAT64 = np.dtype(np.float64)
-_FOLD_SCALARS = frozenset(d.type for d in FOLDABLE)
+_FOLD_SCALARS = FOLD_SCALARS
 _HOST_CAPS = Capabilities(cuda_aware_mpi=False, nccl=False)  # NumPy needs no detection
 _HOST_BACKEND = select_backend("numpy", CommunicationImplementation.AUTO, _HOST_CAPS)

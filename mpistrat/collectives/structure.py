@@ -17,15 +17,17 @@ neither a container nor an array::
     ["['a']", "['b'][0]", "['b'][1]"]
 """
 
+import operator
 import sys
 from typing import Any, Callable, List, Tuple
 
 import numpy as np
 
 from mpistrat import nest
+from mpistrat.collectives.dtypes import dtype_code
 from mpistrat.runtime.devices import array_kind
 
-__all__ = ["flatten", "leaf_names", "is_tensor"]
+__all__ = ["flatten", "leaf_names", "is_tensor", "signature_of"]
 
 _SCALARS = (float, int, complex, bool, np.ndarray, np.generic)
 
@@ -87,3 +89,20 @@ def _walk(value: Any, prefix: str, names: List[str]) -> None:
             _walk(item, f"{prefix}.{fields[index]}" if fields else f"{prefix}[{index}]", names)
     else:
         names.append(prefix or "value")
+
+
+_DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
+_NDARRAY_ONLY = {np.ndarray}
+
+
+def signature_of(arrays) -> tuple:
+    """``(dtype, shape)`` per tensor, built in C (``map``): the key of every cache. Device
+    arrays also carry their kind (ranks that mix NumPy and CuPy would pick different backends)."""
+    signature = tuple(map(_DTYPE_SHAPE, arrays))
+    if set(map(type, arrays)) <= _NDARRAY_ONLY:
+        return signature
+    kinds = [array_kind(a) for a in arrays]
+    if all(kind == "numpy" for kind in kinds):
+        return signature
+    return tuple((dtype if kind == "numpy" else f"{dtype_code(dtype)}@{kind}", tuple(shape))
+                 for kind, (dtype, shape) in zip(kinds, signature))

@@ -191,7 +191,8 @@ SETTINGS = (
             "reproducible SUM and MEAN for every engine (as "
             "`CommunicationOptions(deterministic=True)`)"),
     Setting("MPISTRAT_RING_THRESHOLD", parse_threshold, 1 << 20, _THRESHOLD + "; unset means 1MiB",
-            "bytes from which the ring all-reduce is used on one node"),
+            "bytes from which the ring all-reduce is used on one node (in place: 32 MiB "
+            "unless set)"),
     Setting("MPISTRAT_HIERARCHICAL_THRESHOLD", parse_bytes, 32 << 20,
             _BYTE_COUNT + "; unset means 32MiB",
             "bytes from which buffers take the hierarchical all-reduce across nodes"),

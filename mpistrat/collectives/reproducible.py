@@ -146,15 +146,23 @@ def exponent_and_grid(array: np.ndarray, exponent: int, fraction_bits: int, wire
     grid = default_pool().take(real.shape, wire)
     if real.size == 0:
         return ZERO, grid
-    flat_in, flat_out = real.reshape(-1), grid.reshape(-1)
     highs, lows = [], []
+    _round_onto_grid(real.reshape(-1), grid.reshape(-1), magic, highs, lows)
+    return _exponent_of(np.max(highs), np.min(lows)), grid
+
+
+def _round_onto_grid(flat_in: np.ndarray, flat_out: np.ndarray, magic,
+                     highs: Optional[list] = None, lows: Optional[list] = None) -> None:
+    """``flat_out = (flat_in + C) - C`` block by block, so the subtraction reads from cache;
+    with ``highs`` and ``lows``, each block's largest and smallest input value is noted
+    first, from the same read."""
     for start in range(0, flat_out.size, _BLOCK):
         block, out = flat_in[start:start + _BLOCK], flat_out[start:start + _BLOCK]
-        highs.append(block.max())
-        lows.append(block.min())
+        if highs is not None:
+            highs.append(block.max())
+            lows.append(block.min())
         np.add(block, magic, out=out)
         np.subtract(out, magic, out=out)
-    return _exponent_of(np.max(highs), np.min(lows)), grid
 
 
 def grid_for(dtype, exponent: int, count: int) -> Tuple[np.dtype, int]:
@@ -216,13 +224,9 @@ def to_fixed(array: np.ndarray, exponent: int, fraction_bits: int, wire,
         return np.zeros(tuple(int(d) for d in shape), dtype=wire)
     pool = default_pool()
     if wire.kind == "f":  # round onto the grid in the float itself: (x + C) - C
-        magic = _magic(wire, exponent, fraction_bits)
         grid = pool.take(real.shape, wire)
-        flat_in, flat_out = real.reshape(-1), grid.reshape(-1)
-        for start in range(0, flat_out.size, _BLOCK):  # block by block: subtract from cache
-            block = flat_out[start:start + _BLOCK]
-            np.add(flat_in[start:start + _BLOCK], magic, out=block)
-            np.subtract(block, magic, out=block)
+        _round_onto_grid(real.reshape(-1), grid.reshape(-1), _magic(wire, exponent,
+                                                                    fraction_bits))
         return grid if axis is None else np.sum(grid, axis=axis, dtype=wire)
     scaled = _scaled(real, fraction_bits - exponent, out=pool.take(real.shape, real.dtype))
     fixed = pool.take(real.shape, wire)  # pooled: reused once the caller drops it

@@ -72,8 +72,6 @@ def _dtype_key(array) -> str:
         f"{dtype_code(array.dtype)}@{array_kind(array)}".replace("@numpy", "")
 
 
-_ALL_REDUCE_WHAT = ALL_REDUCE_WHAT
-_EXACT = EXACT
 _NDARRAY_ONLY = {np.ndarray}
 _ENGINES = [0]  # engines made so far: ids that match across ranks (made in the same order)
 
@@ -168,7 +166,7 @@ class CollectiveEngine(SmallReductions):
         start = timeline.begin(value) if timeline.ON else None
         op = ReduceOp.from_any(op)
         kind = type(value)
-        if options is None and (kind is float or kind in _FOLD_SCALARS):
+        if options is None and (kind is float or kind in FOLD_SCALARS):
             total = self.reduce_scalar(op, value)  # validated and summed in one call
             if total is not None:                  # (None with the timeline on: below)
                 return np.asarray(total)
@@ -178,12 +176,12 @@ class CollectiveEngine(SmallReductions):
         else:      # any nest or JAX pytree (collectives/structure.py)
             leaves, rebuild = flatten(value)
             arrays = [_as_array(v) for v in leaves]
-        if op in _EXACT and self.is_deterministic(options):
+        if op in EXACT and self.is_deterministic(options):
             results = self._exact(arrays, op, None, options, value)[0]
         else:
-            what = _ALL_REDUCE_WHAT[op]
+            what = ALL_REDUCE_WHAT[op]
             signature = signature_of(arrays)
-            if len(arrays) == 1 and op in _EXACT and arrays[0].size <= PAYLOAD_SLOTS and \
+            if len(arrays) == 1 and op in EXACT and arrays[0].size <= PAYLOAD_SLOTS and \
                     arrays[0].dtype in FOLDABLE and self._folds(options):
                 results = [self._fold_small(op, arrays[0], signature)]
             else:
@@ -198,7 +196,7 @@ class CollectiveEngine(SmallReductions):
                     results = self._run(what, arrays, opts, lambda backend, idx: backend.all_reduce(
                         self.comm, [arrays[i] for i in idx], op, opts, deadline))
         if start is not None:
-            self._record(_ALL_REDUCE_WHAT[op], start, arrays)
+            self._record(ALL_REDUCE_WHAT[op], start, arrays)
         if flat:
             return results if kind is list else tuple(results)
         return rebuild(results)
@@ -221,7 +219,7 @@ class CollectiveEngine(SmallReductions):
         return out
 
     def _exact(self, arrays, op, axis, options, value):
-        what = f"deterministic {_ALL_REDUCE_WHAT[op]} axis={axis}"
+        what = f"deterministic {ALL_REDUCE_WHAT[op]} axis={axis}"
         signature = tuple((dtype_code(a.dtype), tuple(
             -1 if axis is not None and d == axis % a.ndim else n for d, n in enumerate(a.shape)))
             for a in arrays)
@@ -348,6 +346,5 @@ def _axis_or_none(axis: int, ndim: int) -> Optional[int]:
     return None
 
 
-_FOLD_SCALARS = FOLD_SCALARS
 _HOST_CAPS = Capabilities(cuda_aware_mpi=False, nccl=False)  # NumPy needs no detection
 _HOST_BACKEND = select_backend("numpy", CommunicationImplementation.AUTO, _HOST_CAPS)

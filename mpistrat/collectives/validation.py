@@ -214,15 +214,6 @@ class Probe:
             send[index] = value
         return self.exchange(ready, what, signature)[:len(values)]
 
-    def sum_array(self, ready: Tuple[array, array], what: str, signature: Signature,
-                  values: np.ndarray) -> np.ndarray:
-        """``sum_ready`` for a small array (at most ``PAYLOAD_SLOTS`` values): the float64
-        sums, flat (a view valid until the next call)."""
-        count = values.size
-        np.copyto(np.frombuffer(ready[0], dtype=np.float64, count=count), values.reshape(-1))
-        self.exchange(ready, what, signature)
-        return self.recv_values[:count]
-
     def sum_ready(self, ready: Tuple[array, array], what: str, signature: Signature,
                   value: float) -> float:
         """The SUM over ranks of one float in a ``ready`` probe, validated (one collective)."""

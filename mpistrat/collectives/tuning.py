@@ -6,7 +6,8 @@ size in log scale (below 2 KiB none: the static rules apply, MPI's own). Size cl
 ``4`` (elements of 4 bytes or fewer) and ``8``. The place is ``"out"`` (the result goes
 to a buffer of its own: a tensor the caller still holds) or ``"in"`` (the buffer is
 overwritten: a fused bucket, a reproducible sum's grid): MPI's own in-place ``Allreduce``
-and its out-of-place one are different programs, and which algorithm wins differs. The table is made by ``calibration.calibrate``
+and its out-of-place one are different programs, and which algorithm wins differs. The
+table is made by ``calibration.calibrate``
 (timings all-reduced with MAX, so every rank picks the same) or read from the tuning file
 (``MPISTRAT_TUNING_FILE``), a JSON document keyed by host type, MPI library, ranks per node
 and node count. Everything here is pure: no MPI::
@@ -29,7 +30,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 __all__ = ["TuningTable", "BUCKETS", "SIZE_CLASSES", "PLACES", "CANDIDATES", "VERSION",
-           "bucket_of", "size_class", "key_of", "pick", "table_key", "load_table", "save_table", "parse_file",
+           "bucket_of", "size_class", "key_of", "pick", "table_key", "load_table", "save_table",
+           "parse_file",
            "TuningFileError"]
 
 VERSION = 2              # 2: entries keyed by place too (version 1 measured out of place only)

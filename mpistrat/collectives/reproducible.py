@@ -16,6 +16,10 @@ exactly, as integers, on a fixed-point grid that every rank agrees on:
    summands of float32/float64 the wire is the float itself: ``x`` is rounded
    onto the grid ``2**(E-F)`` with ``(x + C) - C`` (``C = 1.5 * 2**(E-F+p-1)``),
    and sums of such values are exact in the float while ``M * 2**E < 2**(E-F+p)``.
+   One or two summands (``M <= 2``: two ranks element-wise, or two rows in
+   all) need no grid at all: one float addition is commutative, so the float
+   itself travels and the result is the exact sum rounded once. Element-wise
+   at one or two ranks this skips step 1 too: ``M`` is the rank count.
 3. ``to_fixed`` (summing rows along the axis in integers), an integer SUM
    across ranks (any algorithm, any fusion: integer addition is exact and
    associative), then ``from_fixed``: ``total * 2**(E-F)`` rounded once to
@@ -24,8 +28,9 @@ exactly, as integers, on a fixed-point grid that every rank agrees on:
 Every step is a function of each element alone or an exact integer sum, so
 the result is bitwise identical at any rank count, split, algorithm or order.
 
-Accuracy: each value is cut to the grid ``2**(E-F)`` (toward zero; to nearest
-on the float wire), an error below one grid step, so
+Accuracy: with one or two summands, the correctly rounded sum. Beyond, each
+value is cut to the grid ``2**(E-F)`` (toward zero; to nearest on the float
+wire), an error below one grid step, so
 ``|result - exact sum| < M * 2**(E-F)`` plus, on the integer wire, the final
 rounding to the dtype (half an ulp of the result). On the integer wire ``F``
 keeps at least the significand of the largest value (24 bits for float32, 11
@@ -43,11 +48,11 @@ float16 mean of 60000 and 60000 is 60000, not the infinity of their sum::
 
     >>> import numpy as np
     >>> from mpistrat.collectives.reproducible import grid_for, max_exponent, to_fixed, from_fixed
-    >>> x = np.array([[0.1, 1e-8], [0.2, 3.0]], dtype=np.float32)
-    >>> e = max_exponent(x); wire, f = grid_for(x.dtype, e, 2)
+    >>> x = np.array([[0.1, 1e-8], [0.2, 3.0], [0.4, -1.0]], dtype=np.float32)
+    >>> e = max_exponent(x); wire, f = grid_for(x.dtype, e, 3)
     >>> q = to_fixed(x, e, f, wire, axis=0)            # rows summed exactly
     >>> from_fixed(q, e, f, x.dtype)
-    array([0.3000002, 3.       ], dtype=float32)
+    array([0.6999998, 2.       ], dtype=float32)
 """
 
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -168,6 +173,9 @@ def _round_onto_grid(flat_in: np.ndarray, flat_out: np.ndarray, magic,
 def grid_for(dtype, exponent: int, count: int) -> Tuple[np.dtype, int]:
     """``(wire dtype, fraction bits F)`` for ``count`` summands below ``2**exponent``.
 
+    One or two summands need no grid (``F`` is None): the float itself travels
+    (float32 for the narrow floats) and two values are added once, which gives
+    the same bits in either order, the exact sum rounded once.
     Up to 7 summands of float32 or float64 (an element-wise all-reduce over a
     few ranks) stay floats: values rounded to ``F = p - max(bits(count), 2)``
     bits below the exponent (``p``: the significand, 24 or 53) add up exactly
@@ -175,6 +183,8 @@ def grid_for(dtype, exponent: int, count: int) -> Tuple[np.dtype, int]:
     integers: int32 when it keeps the full significand of the largest value
     (float16, float32 with up to 127 summands), else int64::
 
+        >>> grid_for(np.float16, 0, 2)
+        (dtype('float32'), None)
         >>> grid_for(np.float32, 0, 4)
         (dtype('float32'), 21)
         >>> grid_for(np.float32, 0, 100)
@@ -184,6 +194,8 @@ def grid_for(dtype, exponent: int, count: int) -> Tuple[np.dtype, int]:
     """
     dtype = np.dtype(dtype)
     itemsize = dtype.itemsize // 2 if dtype.kind == "c" else dtype.itemsize
+    if count <= 2:   # one addition at most: commutative, so already the same in any order
+        return np.dtype(f"f{max(itemsize, 4)}"), None
     need = _SIGNIFICAND.get(itemsize, 53)
     headroom = max(int(count), 1).bit_length()  # count < 2**headroom
     if itemsize >= 4 and headroom <= 3:
@@ -207,18 +219,37 @@ def _scaled(array: np.ndarray, shift: int, out: np.ndarray) -> np.ndarray:
     return np.ldexp(array, shift, out=out)
 
 
+def _plain_rows(real: np.ndarray, axis: Optional[int]) -> np.ndarray:
+    """What a rank sends of at most two summands: the values, or along ``axis`` its rows
+    added once (none: ``-0.0``, the one float that adds without changing any value, the
+    sign of a zero included)."""
+    if axis is None:
+        return real
+    rows = real.shape[axis]
+    if rows > 2:
+        raise ValueError(f"{rows} rows along axis {axis}: a grid is needed beyond two summands")
+    if rows == 0:
+        return np.full(real.shape[:axis] + real.shape[axis + 1:], -0.0, dtype=real.dtype)
+    first = np.take(real, 0, axis=axis)
+    return first if rows == 1 else np.add(first, np.take(real, 1, axis=axis))
+
+
 def to_fixed(array: np.ndarray, exponent: int, fraction_bits: int, wire,
              axis: Optional[int] = None) -> np.ndarray:
     """The integers ``trunc(x * 2**(F-E))``; with ``axis``, summed along it (exactly).
 
     Two passes over pooled memory: scale (exact), then cast to the integer type
-    (truncation toward zero, a function of each value alone).
+    (truncation toward zero, a function of each value alone). On a float wire, the
+    values rounded onto the grid ``2**(E-F)``; with ``F`` None (one or two summands),
+    the values themselves.
     """
     array = np.asarray(array)
     if axis is not None:
         axis = axis % max(array.ndim, 1)
     real = _real(array)
     wire = np.dtype(wire)
+    if fraction_bits is None:   # at most two summands (grid_for): the float itself
+        return _plain_rows(real, axis)
     if exponent == ZERO:
         shape = real.shape if axis is None else np.delete(real.shape, axis % max(real.ndim, 1))
         return np.zeros(tuple(int(d) for d in shape), dtype=wire)
@@ -244,9 +275,9 @@ def from_fixed(total: np.ndarray, exponent: int, fraction_bits: int, dtype,
         real_dtype = np.dtype(f"f{dtype.itemsize // 2}")
     else:
         real_dtype = np.dtype(np.float32) if is_low_float(dtype) else dtype.newbyteorder("=")
-    if exponent == ZERO:
+    if exponent == ZERO and fraction_bits is not None:
         out = np.zeros(total.shape, dtype=real_dtype)
-    elif total.dtype.kind == "f":  # summed on the grid in the float itself: already exact
+    elif total.dtype.kind == "f":  # summed on the grid in the float itself, or two values
         out = total.astype(real_dtype, copy=divisor != 1)
     else:
         out = default_pool().take(total.shape, real_dtype)
@@ -261,12 +292,38 @@ def from_fixed(total: np.ndarray, exponent: int, fraction_bits: int, dtype,
 
 def _remember(guesses: dict, key, exponent: int, count: int, wire: np.dtype, bits: int) -> None:
     """Keep an agreed exponent as the next call's guess, where it gives a float wire."""
-    if wire.kind != "f" or exponent == ZERO:
+    if bits is None or wire.kind != "f" or exponent == ZERO:
         guesses.pop(key, None)
         return
     if len(guesses) > 4096:
         guesses.clear()
     guesses[key] = (exponent, count, wire, bits)
+
+
+def _agree(comm, arrays, exact, rows, axis, deadline, guesses):
+    """Step 1 of ``exact_sum``, beyond two summands: every tensor's agreed exponent and summand count (one small
+    ``Allgather``), and the grids made on a guessed exponent, by index."""
+    guessed = {}   # index -> (guessed exponent, guessed count, the grid made with them)
+    found = []
+    for index in exact:
+        array = arrays[index]
+        key = (index, array.dtype.str, array.shape)
+        guess = guesses.get(key) if guesses is not None and axis is None else None
+        if guess is None:
+            found.append(max_exponent(array))
+            continue
+        exponent, count, wire, bits = guess
+        mine_exponent, grid = exponent_and_grid(array, exponent, bits, wire)
+        guessed[index] = (exponent, count, grid)
+        found.append(mine_exponent)
+    mine = np.array(found + rows, dtype=np.int64)
+    table = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
+    if deadline is None:
+        comm.Allgather(mine, table)
+    else:  # a timed collective: the non-blocking call, as the engine's own
+        wait_all([comm.Iallgather(mine, table)], deadline, "deterministic sum (exponents)")
+    return (table[:, :len(exact)].max(axis=0).tolist(), table[:, len(exact):].sum(axis=0).tolist(),
+            guessed)
 
 
 def exact_sum(comm: MPI.Comm, arrays: Sequence[np.ndarray], axis: Optional[int],
@@ -287,34 +344,16 @@ def exact_sum(comm: MPI.Comm, arrays: Sequence[np.ndarray], axis: Optional[int],
     give a float wire is rounded with that exponent while its own is found
     (``exponent_and_grid``: one pass instead of two). Where the agreed exponent or count
     differ from the guess, the grid is made again with the agreed ones: the result is
-    ``to_fixed``'s either way, bit for bit; a guess only saves a pass.
+    ``to_fixed``'s either way, bit for bit; a guess only saves a pass. Element-wise at one or
+    two ranks neither is needed: the floats themselves are summed (``grid_for``).
     """
     arrays = [np.asarray(a) for a in arrays]
     exact = [i for i, a in enumerate(arrays) if is_exact_kind(a.dtype)]
     rows = [1 if axis is None else a.shape[axis] for a in arrays]
-    # 1. agree on each tensor's exponent and summand count (one small Allgather); a tensor
-    #    with a usable guess is rounded on the guessed grid in the same pass
-    guessed = {}   # index -> (guessed exponent, guessed count, the grid made with them)
-    found = []
-    for index in exact:
-        array = arrays[index]
-        key = (index, array.dtype.str, array.shape)
-        guess = guesses.get(key) if guesses is not None and axis is None else None
-        if guess is None:
-            found.append(max_exponent(array))
-            continue
-        exponent, count, wire, bits = guess
-        mine_exponent, grid = exponent_and_grid(array, exponent, bits, wire)
-        guessed[index] = (exponent, count, grid)
-        found.append(mine_exponent)
-    mine = np.array(found + rows, dtype=np.int64)
-    table = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
-    if deadline is None:
-        comm.Allgather(mine, table)
-    else:  # a timed collective: the non-blocking call, as the engine's own
-        wait_all([comm.Iallgather(mine, table)], deadline, "deterministic sum (exponents)")
-    exponents = table[:, :len(exact)].max(axis=0).tolist()
-    counts = table[:, len(exact):].sum(axis=0).tolist()
+    if axis is None and comm.Get_size() <= 2:   # at most two summands: no grid (grid_for)
+        exponents, counts, guessed = [ZERO] * len(exact), [comm.Get_size()] * len(arrays), {}
+    else:
+        exponents, counts, guessed = _agree(comm, arrays, exact, rows, axis, deadline, guesses)
     # 2. every tensor becomes the integers (or, for integer or non-finite tensors, the
     #    local partial sums) that travel
     position = {index: k for k, index in enumerate(exact)}
@@ -322,7 +361,7 @@ def exact_sum(comm: MPI.Comm, arrays: Sequence[np.ndarray], axis: Optional[int],
     wires: List[np.ndarray] = []
     for index, array in enumerate(arrays):
         exponent = exponents[position[index]] if index in position else NONFINITE
-        if exponent != NONFINITE:
+        if index in position and (exponent != NONFINITE or counts[index] <= 2):
             wire, bits = grid_for(array.dtype, exponent, counts[index])
             grids[index] = (exponent, bits)
             guess = guessed.pop(index, None)

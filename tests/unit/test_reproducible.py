@@ -28,7 +28,7 @@ def test_max_exponent_bounds_the_largest_magnitude():
 
 
 @pytest.mark.parametrize("dtype,count,wire", [
-    (np.float32, 2, np.float32), (np.float32, 7, np.float32), (np.float32, 8, np.int32),
+    (np.float32, 3, np.float32), (np.float32, 7, np.float32), (np.float32, 8, np.int32),
     (np.float32, 127, np.int32), (np.float32, 128, np.int64), (np.float16, 10**5, np.int32),
     (np.float64, 4, np.float64), (np.float64, 8, np.int64)])
 def test_grid_never_overflows_and_keeps_the_significand(dtype, count, wire):
@@ -105,41 +105,56 @@ def test_tiny_and_huge_magnitudes_scale_without_overflow():
     np.testing.assert_allclose(exact_fixed_sum(big), [2e38], rtol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64])
-def test_a_guessed_exponent_saves_a_pass_and_never_changes_a_bit(dtype):
-    """A sequence of calls whose magnitudes change (the guess right, then wrong, then zero,
-    NaN, then right again): with guesses every result has the bits of the call without."""
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.complex64])
+def test_two_summands_are_added_once_whatever_the_split_or_order(dtype):
+    """Two rows need no grid: each rank sends its rows added once (or -0.0 for none), and
+    any order of adding those gives the one float addition of the two rows, the sign of a
+    zero included; the narrow floats add in float32 and round once."""
+    rng = np.random.default_rng(5)
+    rows = (rng.standard_normal((2, 999)) * np.exp(rng.uniform(-9, 9, (2, 999)))).astype(dtype)
+    rows[:, :4] = [[-0.0, -0.0, 0.0, 1.5], [-0.0, 0.0, -0.0, -1.5]]
+    if np.dtype(dtype).kind == "c":
+        rows = rows + 1j * rows[::-1]
+    wide = np.float32 if dtype == np.float16 else dtype
+    want = (rows[0].astype(wide) + rows[1].astype(wide)).astype(dtype)
+    wire, bits = grid_for(dtype, max_exponent(rows), 2)
+    assert bits is None and wire == np.dtype(np.float32 if dtype != np.float64 else np.float64)
+    assert exact_fixed_sum(rows).tobytes() == want.tobytes()
+    assert exact_fixed_sum(rows[::-1]).tobytes() == want.tobytes()
+    for split in ([2], [1], [0]):                      # rows per rank: (0, 2), (1, 1), (2, 0)
+        parts = [to_fixed(p, 0, None, wire, axis=0) for p in np.split(rows, split)]
+        for total in (parts[0] + parts[1], parts[1] + parts[0],
+                      (parts[1] + np.float32(-0.0)) + parts[0]):   # a third, empty, rank
+            assert from_fixed(total, 0, None, dtype).tobytes() == want.tobytes(), split
+    assert np.signbit(want.real[:3]).tolist() == [True, False, False]
+    mean = from_fixed(parts[0] + parts[1], 0, None, dtype, divisor=2)
+    total = rows[0].astype(wide) + rows[1].astype(wide)
+    real = total.view(total.real.dtype) if total.dtype.kind == "c" else total
+    assert mean.tobytes() == (real / 2).view(total.dtype).astype(dtype).tobytes()  # by parts
+    with pytest.raises(ValueError, match="3 rows"):
+        to_fixed(np.ones((3, 2), dtype), 0, None, wire, axis=0)
+
+
+def test_at_one_rank_the_sum_is_the_tensor_itself_and_no_exponent_is_found():
+    """One summand: no exponent pass, no Allgather, and every bit of the input kept (a grid
+    would cut the last bits); the result is a new array, never the caller's."""
     from mpi4py import MPI
     from mpistrat.collectives import reproducible
     from mpistrat.collectives.reproducible import exact_sum
-    rng = np.random.default_rng(3)
-    base = rng.standard_normal((3, 5000)).astype(dtype)
-    if np.dtype(dtype).kind == "c":
-        base = base + 1j * rng.standard_normal((3, 5000)).astype(dtype)
-    with_nan = base.copy()
-    with_nan[1, 7] = np.nan
-    sequence = [base, base * 1.01, base * 3.0, base * 1e-3, np.zeros_like(base), with_nan,
-                base, base]
-    guesses, passes = {}, []
-    original = reproducible.exponent_and_grid
-
-    def counted(*args):
-        passes.append(args[1])
-        return original(*args)
-    reproducible.exponent_and_grid = counted
+    x = np.random.default_rng(2).standard_normal(70_000).astype(np.float32) * 3
+    x[5] = -0.0
+    found = []
+    original = reproducible.max_exponent
+    reproducible.max_exponent = lambda a: found.append(a) or original(a)
     try:
-        for values in sequence:
-            for mean in (False, True):
-                plain = exact_sum(MPI.COMM_SELF, [values], None, lambda w: w, mean=mean)[0][0]
-                fast = exact_sum(MPI.COMM_SELF, [values], None, lambda w: w, mean=mean,
-                                 guesses=guesses)[0][0]
-                assert fast.dtype == plain.dtype == np.dtype(dtype)
-                np.testing.assert_array_equal(fast.view(np.uint8), plain.view(np.uint8))
+        out = exact_sum(MPI.COMM_SELF, [x], None, lambda w: [np.array(v) for v in w])[0][0]
+        mean = exact_sum(MPI.COMM_SELF, [x.astype(np.float16)], None,
+                         lambda w: [np.array(v) for v in w], mean=True)[0][0]
     finally:
-        reproducible.exponent_and_grid = original
-    # one pass wherever a guess was kept: not the first call, nor after an all-zero or
-    # non-finite tensor (no grid to guess), up to the next finite one (16 calls - 5)
-    assert len(passes) == 2 * len(sequence) - 5
+        reproducible.max_exponent = original
+    assert found == []
+    assert out.tobytes() == x.tobytes() and out is not x
+    assert mean.dtype == np.float16 and mean.tobytes() == x.astype(np.float16).tobytes()
 
 
 def test_the_one_pass_grid_is_to_fixed_where_the_guess_is_right():

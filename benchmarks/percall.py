@@ -16,6 +16,8 @@ figure is the median over repeats of ours / raw. Figures:
   against the same raw ``Allreduce`` (``--only small`` runs these alone).
 * ``deterministic_16MiB``: the engine's reproducible SUM of 16 MiB of float32 against
   its ordinary SUM (and raw ``Allreduce``), when the library has it.
+* ``resnet50_into``: the same set reduced in place, ``engine.all_reduce(grads, "SUM",
+  out=grads)``, against the same baseline (the caller's own buffers, as the baseline's)
 * ``timeline_resnet50``: ``strategy.reduce`` of the ResNet-50 set with the timeline
   recording against the same with it off, when the library has it.
 """
@@ -89,6 +91,13 @@ def main():
     emit(comm, {"figure": "resnet50", **base, "ours_ms": round(ours * 1e3, 2),
                 "raw_per_tensor_inplace_ms": round(raw * 1e3, 2), "ratio": round(ratio, 3),
                 "target": 1.05})
+
+    engine = strategy.extended.engine
+    ratio, ours, raw = compare(comm, lambda: engine.all_reduce(grads, "SUM", out=grads),
+                               lambda: raw_per_tensor(comm, grads), repeats)
+    emit(comm, {"figure": "resnet50_into", **base, "ours_ms": round(ours * 1e3, 2),
+                "raw_per_tensor_inplace_ms": round(raw * 1e3, 2), "ratio": round(ratio, 3),
+                "target": 1.0})
 
     one = np.ones(1)
     ratio, ours, raw = compare(comm, lambda: strategy.reduce("SUM", 1.0, axis=None),

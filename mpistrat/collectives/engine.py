@@ -23,6 +23,7 @@ from mpi4py import MPI
 from mpistrat.collectives.backends import select_backend
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.dtypes import dtype_code, refuse
+from mpistrat.collectives.into import out_lists, out_problem
 from mpistrat.collectives.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.collectives.reproducible import deterministic_default, exact_sum
@@ -156,13 +157,20 @@ class CollectiveEngine(SmallReductions):
         return results
 
     # -- collectives ---------------------------------------------------------
-    def all_reduce(self, value: Any, op, options: Optional[CommunicationOptions] = None) -> Any:
+    def all_reduce(self, value: Any, op, options: Optional[CommunicationOptions] = None,
+                   out: Any = None) -> Any:
         """Combine ``value`` (a nest of arrays) element-wise over all ranks.
 
         With ``CommunicationOptions(deterministic=True)`` (or
         ``MPISTRAT_DETERMINISTIC=1``) SUM and MEAN are bitwise reproducible
-        (``collectives/reproducible.py``).
+        (``collectives/reproducible.py``). ``out`` (NumPy arrays: one, or a list or
+        tuple matching ``value``) receives the results, which are returned; ``out=value``
+        reduces in place (``collectives/into.py``)::
+
+            grads = engine.all_reduce(grads, "SUM", out=grads)   # the caller's buffers
         """
+        if out is not None:
+            return self._all_reduce_into(value, ReduceOp.from_any(op), options, out)
         start = timeline.begin(value) if timeline.ON else None
         op = ReduceOp.from_any(op)
         kind = type(value)
@@ -200,6 +208,30 @@ class CollectiveEngine(SmallReductions):
         if flat:
             return results if kind is list else tuple(results)
         return rebuild(results)
+
+    def _all_reduce_into(self, value: Any, op: ReduceOp, options, out: Any) -> Any:
+        """``all_reduce`` into ``out``: a bad ``out`` on any rank raises on every rank (its
+        text is part of what the ranks agree on), before anything travels."""
+        start = timeline.begin(value) if timeline.ON else None
+        problem = out_problem(value, out)
+        what = f"{ALL_REDUCE_WHAT[op]} into out" + (f" ({problem})" if problem else "")
+        if problem is not None and not (self.validate and self.size > 1):
+            raise InvalidArgumentError(what)
+        arrays, outs = out_lists(value, out) if problem is None else ([], [])
+        if op in EXACT and self.is_deterministic(options) and problem is None:
+            results = self._exact(arrays, op, None, options, value)[0]
+            for target, result in zip(outs, results):
+                np.copyto(target, result)
+        else:
+            opts, deadline = self._begin(what, signature_of(arrays), options)
+            if problem is not None:   # every rank saw the same problem (or agree raised)
+                raise InvalidArgumentError(what)
+            refuse(what, arrays, op, value)
+            self._guard(_HOST_BACKEND.all_reduce, self.comm, arrays, op, opts, deadline, None,
+                        outs)
+        if start is not None:
+            self._record(ALL_REDUCE_WHAT[op], start, arrays)
+        return out
 
     def is_deterministic(self, options: Optional[CommunicationOptions] = None) -> bool:
         """Whether SUM and MEAN take the reproducible path for these per-call options."""

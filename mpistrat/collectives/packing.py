@@ -22,7 +22,8 @@ from mpistrat.collectives.algorithms import allreduce, choose_algorithm
 from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import Deadline
 from mpistrat.collectives.dtypes import accumulator, from_wire, to_wire
-from mpistrat.collectives.fusion import plan_buckets
+from mpistrat.collectives.fusion import ALONE_BYTES, plan_buckets
+from mpistrat.collectives.into import OUT_ALONE_BYTES
 from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
 
 __all__ = ["FusedPlan", "runs_of", "wire_dtype", "fused_all_reduce"]
@@ -70,12 +71,12 @@ class FusedPlan:
     """How one signature's tensors travel: buckets (``fusion.plan_buckets``) with runs."""
 
     def __init__(self, signature: Sequence[Tuple[np.dtype, tuple]], pack_bytes: int,
-                 op: ReduceOp = ReduceOp.SUM):
+                 op: ReduceOp = ReduceOp.SUM, alone_bytes: int = ALONE_BYTES):
         wires = [wire_dtype(d, op) for d, _ in signature]
         sizes = [int(np.prod(s, dtype=np.int64)) for _, s in signature]
         nbytes = [n * w.itemsize for n, w in zip(sizes, wires)]
         self.buckets: List[_BucketPlan] = []
-        for bucket in plan_buckets(nbytes, [w.str for w in wires], pack_bytes):
+        for bucket in plan_buckets(nbytes, [w.str for w in wires], pack_bytes, alone_bytes):
             idx = bucket.indices
             runs = [(first, count, key[1], start, stop) for first, count, key, start, stop
                     in runs_of(idx, [signature[i] for i in idx], [sizes[i] for i in idx])]
@@ -89,27 +90,38 @@ class FusedPlan:
 def fused_all_reduce(comm: MPI.Comm, arrays: Sequence[np.ndarray], op: ReduceOp, pack_bytes: int,
                      deadline: Optional[Deadline], plans: Dict[tuple, FusedPlan],
                      combine: Optional[Callable[[np.ndarray, np.ndarray], object]] = None,
-                     signature: Optional[tuple] = None) -> List:
+                     signature: Optional[tuple] = None,
+                     out: Optional[Sequence[np.ndarray]] = None) -> List:
     """All-reduce a list of host arrays: fused buckets and lone large tensors.
 
     ``plans`` caches one ``FusedPlan`` per signature; results are new arrays
-    (views of pooled buffers), the inputs are left untouched. ``combine(send,
+    (views of pooled buffers), the inputs are left untouched. With ``out``
+    (``collectives/into.py``, checked by the caller) the results are written there and
+    tensors from ``OUT_ALONE_BYTES`` are reduced alone, each straight into its own ``out``. ``combine(send,
     recv)`` runs one buffer's all-reduce (the host backend passes its
     topology-aware choice); by default the algorithm that suits the size. ``signature``:
     the arrays' ``(dtype, shape)`` pairs where the caller has built them already.
     """
     if signature is None:
         signature = tuple(map(_DTYPE_SHAPE, arrays))
-    key = (pack_bytes, op, signature)
+    key = (pack_bytes, op, signature, out is not None)
     plan = plans.get(key)
     if plan is None:  # (wire_dtype raises TypeError for what the op cannot combine)
         if len(plans) > 1024:
             plans.clear()
-        plan = plans[key] = FusedPlan(signature, pack_bytes, op)
+        plan = plans[key] = FusedPlan(signature, pack_bytes, op,
+                                      ALONE_BYTES if out is None else OUT_ALONE_BYTES)
     size = comm.Get_size()
     pool = default_pool()
     results: List = [None] * len(arrays)
     for bucket in plan.buckets:
+        if out is not None and not bucket.fused and \
+                arrays[bucket.indices[0]].dtype == bucket.wire:   # straight into out
+            index = bucket.indices[0]
+            target = out[index]
+            _into(comm, arrays[index], target, op, deadline, combine, size)
+            results[index] = target
+            continue
         buffer = pool.take((bucket.count,), bucket.wire)
         if bucket.fused:  # 1. pack: one concatenate (casting half/bool on the way)
             members = arrays[bucket.span[0]:bucket.span[1]] if bucket.span else \
@@ -135,8 +147,28 @@ def fused_all_reduce(comm: MPI.Comm, arrays: Sequence[np.ndarray], op: ReduceOp,
             if bucket.converts:
                 original = arrays[first].dtype
                 piece = from_wire(piece, original)
-            if count == 1:
+            if out is not None:   # (a fused bucket, or a tensor that travels wide)
+                rows = piece.reshape((count,) + shape)
+                for k in range(count):
+                    np.copyto(out[first + k], rows[k])
+                    results[first + k] = out[first + k]
+            elif count == 1:
                 results[first] = piece.reshape(shape)
             else:
                 results[first:first + count] = piece.reshape((count,) + shape)
     return results
+
+
+def _into(comm, array: np.ndarray, target: np.ndarray, op: ReduceOp, deadline, combine,
+          size: int) -> None:
+    """One tensor reduced into ``target`` (in place where ``target`` is ``array``'s memory)."""
+    recv = target.reshape(-1)
+    send = recv if target.ctypes.data == array.ctypes.data else \
+        np.ascontiguousarray(array).reshape(-1)
+    if combine is None:
+        allreduce(comm, send, recv, op, deadline,
+                  choose_algorithm(recv.nbytes, size, in_place=send is recv))
+    else:
+        combine(send, recv)
+    if op is ReduceOp.MEAN:
+        divide_for_mean(recv, size)

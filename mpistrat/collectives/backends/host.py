@@ -101,19 +101,20 @@ class HostMPI(Backend):
             return True, "host (NumPy) arrays travel over MPI"
         return False, f"{kind} arrays are device memory; this MPI path takes host memory only"
 
-    def all_reduce(self, comm, arrays, op, options, deadline, signature=None):
+    def all_reduce(self, comm, arrays, op, options, deadline, signature=None, out=None):
         """``signature``: the NumPy arrays' ``(dtype, shape)`` pairs, where the engine has
-        built them (for validation) already."""
+        built them (for validation) already; ``out``: buffers for the results, checked by
+        ``collectives/into.py`` (``fused_all_reduce``)."""
         refuse_device_buffers(arrays, self.name)
         opts = options_of(options)
         preference = getattr(opts, "algorithm", "auto")
         size = comm.Get_size()
-        if len(arrays) == 1:
+        if len(arrays) == 1 and out is None:
             return [self._reduce_one(comm, arrays[0], op, deadline, size, preference)]
         # many tensors: fused by dtype into pooled buckets, planned once per signature
         return fused_all_reduce(comm, arrays, op, opts.pack_bytes, deadline, self._fused,
                                 lambda send, recv: host_allreduce(comm, send, recv, op, deadline,
-                                                                  preference), signature)
+                                                                  preference), signature, out)
 
     def _reduce_one(self, comm, array, op, deadline, size, preference):
         """One tensor: no plan, no packing (the common case of scalars and large tensors)."""

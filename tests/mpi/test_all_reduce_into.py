@@ -1,0 +1,79 @@
+"""``all_reduce(..., out=)`` at 1-4 ranks: results written into the caller's buffers (in
+place with ``out=value``) are those of the ordinary call; a bad ``out`` on any rank raises on
+every rank, naming the buffer, before anything travels."""
+
+import numpy as np
+import pytest
+
+import mpistrat as ms
+from mpistrat.collectives import CollectiveEngine
+from mpistrat.errors import InvalidArgumentError
+
+pytestmark = pytest.mark.numpy_only("out= takes host NumPy buffers only")
+
+
+def tensors(rank):
+    """Small tensors (fused), one of 64 KiB and more (alone), and dtypes that travel wide;
+    integer-valued floats, so any order of addition gives the same bits."""
+    rng = np.random.default_rng(40 + rank)
+    shapes = [(3,), (7, 5), (64,), (129, 130), (5,), (300, 200), (1,)]
+    values = [rng.integers(-500, 500, s).astype(np.float32) for s in shapes]
+    values += [rng.integers(-9, 9, (40, 3)).astype(np.int32), np.full(6, 0.5 + rank, np.float16),
+               rng.integers(-9, 9, (70_000,)).astype(np.float64)]
+    return values
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("op", ["SUM", "MEAN", "MAX"])
+def test_in_place_and_into_other_buffers_give_the_ordinary_results(world, op):
+    engine = CollectiveEngine(world.comm)
+    mine = tensors(world.rank)
+    want = engine.all_reduce(mine, op)
+    others = [np.full_like(a, -1) for a in mine]
+    got = engine.all_reduce(mine, op, out=others)
+    assert got is others
+    for a, w, o, fresh in zip(mine, want, others, tensors(world.rank)):
+        assert o.dtype == w.dtype and o.tobytes() == w.tobytes()
+        assert a.tobytes() == fresh.tobytes()          # inputs untouched
+    addresses = [a.ctypes.data for a in mine]
+    same = engine.all_reduce(mine, op, out=mine)       # in place
+    assert same is mine and [a.ctypes.data for a in mine] == addresses
+    for a, w in zip(mine, want):
+        assert a.tobytes() == w.tobytes()
+    one = tensors(world.rank)[5]
+    assert engine.all_reduce(one, op, out=one) is one and one.tobytes() == want[5].tobytes()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_deterministic_sums_into_out_have_the_reproducible_bits(world):
+    engine = CollectiveEngine(world.comm, ms.CommunicationOptions(deterministic=True))
+    x = np.random.default_rng(world.rank).standard_normal(5000).astype(np.float32) * 1e3
+    want = engine.all_reduce(x, "SUM")
+    engine.all_reduce([x], "SUM", out=[x])
+    assert x.tobytes() == want.tobytes()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_bad_out_on_one_rank_raises_on_every_rank_naming_it(world):
+    engine = CollectiveEngine(world.comm)
+    x = np.ones(10)
+    bad = np.empty(9) if world.rank == world.size - 1 else np.empty(10)
+    with pytest.raises(InvalidArgumentError, match=r"out has shape \(9,\)"):
+        engine.all_reduce(x, "SUM", out=bad)
+    read_only = np.ones(10)
+    read_only.flags.writeable = False
+    with pytest.raises(InvalidArgumentError, match="out is read-only"):
+        engine.all_reduce(x, "SUM", out=read_only)         # the same on every rank
+    pair = [np.ones(4), np.ones(4)]
+    with pytest.raises(InvalidArgumentError, match=r"out\[0\] and out\[1\] overlap"):
+        engine.all_reduce(pair, "SUM", out=[pair[0], pair[0]])
+    assert engine.all_reduce(x, "SUM", out=x) is x and (x == world.size).all()  # still usable
+
+
+@pytest.mark.mpi(min_size=1)
+def test_out_refuses_nests_and_other_array_kinds_on_every_rank(world):
+    engine = CollectiveEngine(world.comm)
+    with pytest.raises(InvalidArgumentError, match="not a dict"):
+        engine.all_reduce({"w": np.ones(2)}, "SUM", out={"w": np.ones(2)})
+    with pytest.raises(InvalidArgumentError, match="list or tuple of 2"):
+        engine.all_reduce([np.ones(2), np.ones(2)], "SUM", out=[np.ones(2)])

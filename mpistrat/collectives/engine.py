@@ -23,7 +23,7 @@ from mpi4py import MPI
 from mpistrat.collectives.backends import select_backend
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.dtypes import dtype_code, refuse
-from mpistrat.collectives.into import out_lists, out_problem
+from mpistrat.collectives.into import out_lists, out_problem, place_of
 from mpistrat.collectives.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.collectives.reproducible import deterministic_default, exact_sum
@@ -211,10 +211,11 @@ class CollectiveEngine(SmallReductions):
 
     def _all_reduce_into(self, value: Any, op: ReduceOp, options, out: Any) -> Any:
         """``all_reduce`` into ``out``: a bad ``out`` on any rank raises on every rank (its
-        text is part of what the ranks agree on), before anything travels."""
+        text, or where ``out`` lies, is part of what the ranks agree on), before anything
+        travels; with validation off (``MPISTRAT_VALIDATE=0``) only on the rank that has it."""
         start = timeline.begin(value) if timeline.ON else None
         problem = out_problem(value, out)
-        what = f"{ALL_REDUCE_WHAT[op]} into out" + (f" ({problem})" if problem else "")
+        what = f"{ALL_REDUCE_WHAT[op]} into out ({problem or place_of(value, out)})"
         if problem is not None and not (self.validate and self.size > 1):
             raise InvalidArgumentError(what)
         arrays, outs = out_lists(value, out) if problem is None else ([], [])
@@ -227,6 +228,8 @@ class CollectiveEngine(SmallReductions):
             if problem is not None:   # every rank saw the same problem (or agree raised)
                 raise InvalidArgumentError(what)
             refuse(what, arrays, op, value)
+            if timeline.ON:
+                self._backend_name = _HOST_BACKEND.name
             self._guard(_HOST_BACKEND.all_reduce, self.comm, arrays, op, opts, deadline, None,
                         outs)
         if start is not None:

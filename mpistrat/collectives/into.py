@@ -9,7 +9,9 @@ fastest, and no packing copy for tensors of 64 KiB or more), other buffers
 receive the results. ``out`` must match ``value`` exactly: one NumPy array
 for an array, a list or tuple of as many for a list or tuple, each writable,
 C-contiguous, of the same shape and dtype, and overlapping no other buffer
-of the call but its own input. ``out_problem`` says what is wrong, or None::
+of the call but its own input. Every rank must pass the same kind of ``out``
+(in place or not, tensor by tensor): the ranks agree on it as on the shapes.
+``out_problem`` says what is wrong, or None::
 
     >>> import numpy as np
     >>> from mpistrat.collectives.into import out_problem
@@ -22,7 +24,7 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["out_problem", "out_lists", "OUT_ALONE_BYTES"]
+__all__ = ["out_problem", "out_lists", "place_of", "OUT_ALONE_BYTES"]
 
 # Into ``out``, tensors of this size or more are reduced one by one, in their own buffers:
 # MPI's per-tensor in-place call beat the packing copy from 64 KiB here (docs/benchmarks.md).
@@ -36,9 +38,33 @@ def out_lists(value: Any, out: Any) -> Tuple[List[np.ndarray], List[np.ndarray]]
     return list(value), list(out)
 
 
+# (NumPy 2 moved byte_bounds into numpy.lib.array_utils; NumPy 1 has it at the top)
+_byte_bounds = getattr(getattr(np.lib, "array_utils", np), "byte_bounds", None) or \
+    getattr(np, "byte_bounds")
+
+
 def _span(array: np.ndarray) -> Tuple[int, int]:
-    low, high = np.lib.array_utils.byte_bounds(array)
+    low, high = _byte_bounds(array)
     return low, high
+
+
+def place_of(value: Any, out: Any) -> str:
+    """How ``out`` (usable: ``out_problem`` found nothing) lies against ``value``: ``in
+    place``, ``into other buffers``, or which tensors are in place. Part of what the ranks
+    agree on, because the algorithm chosen for a tensor depends on it::
+
+        >>> import numpy as np
+        >>> x, y = np.ones(2), np.ones(3)
+        >>> place_of([x, y], [x, np.empty(3)])
+        'in place: tensors 0'
+    """
+    arrays, outs = out_lists(value, out)
+    flags = [_same_buffer(a, o) for a, o in zip(arrays, outs)]
+    if all(flags):
+        return "in place"
+    if not any(flags):
+        return "into other buffers"
+    return "in place: tensors " + ",".join(str(i) for i, f in enumerate(flags) if f)
 
 
 def out_problem(value: Any, out: Any) -> Optional[str]:
@@ -99,9 +125,10 @@ def _overlap(arrays: List[np.ndarray], outs: List[np.ndarray], one: bool) -> Opt
 
 
 def _same_buffer(array: np.ndarray, target: np.ndarray) -> bool:
-    """Whether ``target`` is ``array``'s own memory (in place; shape and dtype are equal)."""
+    """Whether ``target`` is ``array``'s own memory, element for element (in place: the
+    shapes and dtypes are equal and ``target`` is C-contiguous)."""
     return target is array or (target.ctypes.data == array.ctypes.data
-                               and target.strides == array.strides)
+                               and array.flags.c_contiguous)
 
 
 def _named(index: int, what: str, one: bool) -> str:

@@ -97,8 +97,8 @@ def fused_all_reduce(comm: MPI.Comm, arrays: Sequence[np.ndarray], op: ReduceOp,
     ``plans`` caches one ``FusedPlan`` per signature; results are new arrays
     (views of pooled buffers), the inputs are left untouched. With ``out``
     (``collectives/into.py``, checked by the caller) the results are written there and
-    tensors from ``OUT_ALONE_BYTES`` are reduced alone, each straight into its own ``out``. ``combine(send,
-    recv)`` runs one buffer's all-reduce (the host backend passes its
+    tensors from ``OUT_ALONE_BYTES`` are reduced alone, each straight into its own ``out``.
+    ``combine(send, recv)`` runs one buffer's all-reduce (the host backend passes its
     topology-aware choice); by default the algorithm that suits the size. ``signature``:
     the arrays' ``(dtype, shape)`` pairs where the caller has built them already.
     """

@@ -41,7 +41,9 @@ for float16, 53 for float64 while ``M < 1024``; beyond that float64 keeps
 than the largest lose low bits, as they would in any sum with it. Integer
 tensors are summed as 64-bit integers (already exact). NaN or infinity
 anywhere in a tensor makes that tensor fall back to the ordinary float sum
-(the result is NaN or infinite either way). float16, bfloat16 and the
+(the result is NaN or infinite either way; which NaN, its sign and payload,
+may depend on the order, with one or two summands too: x86 keeps the first
+operand's). float16, bfloat16 and the
 ``ml_dtypes`` float8 types are widened to float32 on the way in; a MEAN divides
 in float32 (or the float itself) before the one rounding to the dtype, so a
 float16 mean of 60000 and 60000 is 60000, not the infinity of their sum::
@@ -301,8 +303,9 @@ def _remember(guesses: dict, key, exponent: int, count: int, wire: np.dtype, bit
 
 
 def _agree(comm, arrays, exact, rows, axis, deadline, guesses):
-    """Step 1 of ``exact_sum``, beyond two summands: every tensor's agreed exponent and summand count (one small
-    ``Allgather``), and the grids made on a guessed exponent, by index."""
+    """Step 1 of ``exact_sum`` (but element-wise at one or two ranks): every tensor's agreed
+    exponent and summand count (one small ``Allgather``), and the grids made on a guessed
+    exponent, by index."""
     guessed = {}   # index -> (guessed exponent, guessed count, the grid made with them)
     found = []
     for index in exact:

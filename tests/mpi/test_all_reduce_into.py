@@ -77,3 +77,43 @@ def test_out_refuses_nests_and_other_array_kinds_on_every_rank(world):
         engine.all_reduce({"w": np.ones(2)}, "SUM", out={"w": np.ones(2)})
     with pytest.raises(InvalidArgumentError, match="list or tuple of 2"):
         engine.all_reduce([np.ones(2), np.ones(2)], "SUM", out=[np.ones(2)])
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_large_tensor_into_out_takes_the_ring_and_in_place_mpi_alike(world):
+    """4 MiB: the ring out of place and MPI's own in place (one node) give the same sums."""
+    x = np.random.default_rng(world.rank).integers(-99, 99, 1 << 20).astype(np.float32)
+    engine = CollectiveEngine(world.comm)
+    want = engine.all_reduce(x, "SUM")
+    apart = np.empty_like(x)
+    assert engine.all_reduce(x, "SUM", out=apart) is apart
+    assert apart.tobytes() == want.tobytes()
+    engine.all_reduce([x], "SUM", out=[x])
+    assert x.tobytes() == want.tobytes()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_that_differ_on_in_place_raise_together_instead_of_hanging(world):
+    """In place or not decides the algorithm (MPI's own or the ring for 4 MiB on one node),
+    so ranks that differ on it would wait in different collectives: every rank raises."""
+    x = np.ones(1 << 20, np.float32)
+    out = x if world.rank == 0 else np.empty_like(x)
+    with pytest.raises(InvalidArgumentError, match="different collectives.*in place"):
+        CollectiveEngine(world.comm).all_reduce(x, "SUM", out=out)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_out_on_one_rank_only_raises_together(world, deterministic):
+    """One rank passes ``out`` (a bad one where the reduction is reproducible), the others
+    call the ordinary all-reduce: every rank raises, none waits."""
+    engine = CollectiveEngine(world.comm, ms.CommunicationOptions(deterministic=deterministic))
+    x = np.ones(1000, np.float32)
+    if world.rank == 0:
+        out = np.empty(999, np.float32) if deterministic else np.empty_like(x)
+        call = lambda: engine.all_reduce(x, "SUM", out=out)   # noqa: E731
+    else:
+        call = lambda: engine.all_reduce(x, "SUM")            # noqa: E731
+    with pytest.raises(InvalidArgumentError, match="different collectives"):
+        call()
+    assert (engine.all_reduce(x, "SUM") == world.size).all()   # the engine still works

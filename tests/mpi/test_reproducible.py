@@ -250,6 +250,25 @@ def test_at_two_ranks_or_fewer_the_floats_are_added_once(world):
         want = every[0] if world.size == 1 else every[0] + every[1]
         assert got.tobytes() == want.tobytes()
         assert np.signbit(got[:2]).all()
-        assert got is not every[world.rank]
+        assert not np.shares_memory(got, every)      # a new array, even at one rank
     else:
         assert got.tobytes() == reference_sum(every).tobytes()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_two_rows_along_an_axis_add_once_whatever_ranks_hold_them(world):
+    """Two rows in all, held by the first and the last rank (ranks between hold none and
+    send -0.0): the one float addition of the rows, zero signs included, at any width."""
+    rng = np.random.default_rng(SEED)
+    rows = (rng.standard_normal((2, 500)) * np.exp(rng.uniform(-30, 30, (2, 500))))
+    rows[:, :3] = [[-0.0, -0.0, 0.0], [-0.0, 0.0, -0.0]]
+    if world.size == 1:
+        mine = rows
+    else:
+        mine = rows[:1] if world.rank == 0 else rows[1:] if world.rank == world.size - 1 \
+            else rows[:0]
+    engine = CollectiveEngine(world.comm, ms.CommunicationOptions(deterministic=True))
+    (total,), counts = engine.exact_sum([mine], axis=0)
+    assert counts == [2]
+    assert total.tobytes() == (rows[0] + rows[1]).tobytes()
+    assert np.signbit(total[:3]).tolist() == [True, False, False]

@@ -24,7 +24,7 @@ from typing import Any, List, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["out_problem", "out_lists", "place_of", "OUT_ALONE_BYTES"]
+__all__ = ["out_problem", "out_lists", "place_of", "same_buffer", "OUT_ALONE_BYTES"]
 
 # Into ``out``, tensors of this size or more are reduced one by one, in their own buffers:
 # MPI's per-tensor in-place call beat the packing copy from 64 KiB here (docs/benchmarks.md).
@@ -43,11 +43,6 @@ _byte_bounds = getattr(getattr(np.lib, "array_utils", np), "byte_bounds", None) 
     getattr(np, "byte_bounds")
 
 
-def _span(array: np.ndarray) -> Tuple[int, int]:
-    low, high = _byte_bounds(array)
-    return low, high
-
-
 def place_of(value: Any, out: Any) -> str:
     """How ``out`` (usable: ``out_problem`` found nothing) lies against ``value``: ``in
     place``, ``into other buffers``, or which tensors are in place. Part of what the ranks
@@ -59,7 +54,7 @@ def place_of(value: Any, out: Any) -> str:
         'in place: tensors 0'
     """
     arrays, outs = out_lists(value, out)
-    flags = [_same_buffer(a, o) for a, o in zip(arrays, outs)]
+    flags = [same_buffer(a, o) for a, o in zip(arrays, outs)]
     if all(flags):
         return "in place"
     if not any(flags):
@@ -109,9 +104,9 @@ def _overlap(arrays: List[np.ndarray], outs: List[np.ndarray], one: bool) -> Opt
     spans = []
     for index, (array, target) in enumerate(zip(arrays, outs)):
         if target.nbytes:
-            spans.append((*_span(target), index, "out"))
-        if array.nbytes and not _same_buffer(array, target):
-            spans.append((*_span(array), index, "input"))
+            spans.append((*_byte_bounds(target), index, "out"))
+        if array.nbytes and not same_buffer(array, target):
+            spans.append((*_byte_bounds(array), index, "input"))
     spans.sort()
     active: List[tuple] = []   # spans that reach past the current start (inputs may overlap)
     for span in spans:
@@ -124,9 +119,15 @@ def _overlap(arrays: List[np.ndarray], outs: List[np.ndarray], one: bool) -> Opt
     return None
 
 
-def _same_buffer(array: np.ndarray, target: np.ndarray) -> bool:
-    """Whether ``target`` is ``array``'s own memory, element for element (in place: the
-    shapes and dtypes are equal and ``target`` is C-contiguous)."""
+def same_buffer(array: np.ndarray, target: np.ndarray) -> bool:
+    """Whether ``target`` is ``array``'s own memory, element for element (in place), for an
+    ``out`` that ``out_problem`` accepted (equal shapes and dtypes, ``target`` C-contiguous)::
+
+        >>> import numpy as np
+        >>> x = np.ones(4)
+        >>> same_buffer(x, x.reshape(1, 4)[0]), same_buffer(x, np.ones(4))
+        (True, False)
+    """
     return target is array or (target.ctypes.data == array.ctypes.data
                                and array.flags.c_contiguous)
 

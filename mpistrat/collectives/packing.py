@@ -23,7 +23,7 @@ from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import Deadline
 from mpistrat.collectives.dtypes import accumulator, from_wire, to_wire
 from mpistrat.collectives.fusion import ALONE_BYTES, plan_buckets
-from mpistrat.collectives.into import OUT_ALONE_BYTES
+from mpistrat.collectives.into import OUT_ALONE_BYTES, same_buffer
 from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
 
 __all__ = ["FusedPlan", "runs_of", "wire_dtype", "fused_all_reduce"]
@@ -134,13 +134,7 @@ def fused_all_reduce(comm: MPI.Comm, arrays: Sequence[np.ndarray], op: ReduceOp,
                 send = to_wire(send, bucket.wire)
             send = send.reshape(-1)
         # 2. combine across ranks with the algorithm that suits the size (and topology)
-        if combine is None:
-            allreduce(comm, send, buffer, op, deadline,
-                      choose_algorithm(buffer.nbytes, size, in_place=send is buffer))
-        else:
-            combine(send, buffer)
-        if op is ReduceOp.MEAN:
-            divide_for_mean(buffer, size)
+        _combine(comm, send, buffer, op, deadline, combine, size)
         # 3. unpack by runs: views of the buffer, converted back where the dtype travelled wide
         for first, count, shape, start, stop in bucket.runs:
             piece = buffer[start:stop]
@@ -159,12 +153,10 @@ def fused_all_reduce(comm: MPI.Comm, arrays: Sequence[np.ndarray], op: ReduceOp,
     return results
 
 
-def _into(comm, array: np.ndarray, target: np.ndarray, op: ReduceOp, deadline, combine,
-          size: int) -> None:
-    """One tensor reduced into ``target`` (in place where ``target`` is ``array``'s memory)."""
-    recv = target.reshape(-1)
-    send = recv if target.ctypes.data == array.ctypes.data else \
-        np.ascontiguousarray(array).reshape(-1)
+def _combine(comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp, deadline, combine,
+             size: int) -> None:
+    """``recv`` = ``send`` combined across ranks (in place where ``send is recv``): by
+    ``combine``, or the algorithm that suits the size; a MEAN divided."""
     if combine is None:
         allreduce(comm, send, recv, op, deadline,
                   choose_algorithm(recv.nbytes, size, in_place=send is recv))
@@ -172,3 +164,11 @@ def _into(comm, array: np.ndarray, target: np.ndarray, op: ReduceOp, deadline, c
         combine(send, recv)
     if op is ReduceOp.MEAN:
         divide_for_mean(recv, size)
+
+
+def _into(comm, array: np.ndarray, target: np.ndarray, op: ReduceOp, deadline, combine,
+          size: int) -> None:
+    """One tensor reduced into ``target`` (in place where ``target`` is ``array``'s memory)."""
+    recv = target.reshape(-1)
+    send = recv if same_buffer(array, target) else np.ascontiguousarray(array).reshape(-1)
+    _combine(comm, send, recv, op, deadline, combine, size)

@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 
-from mpistrat.collectives.into import out_problem
+from mpistrat.collectives.into import out_problem, same_buffer
 
 
 def test_in_place_distinct_buffers_and_views_of_one_buffer_are_accepted():
@@ -42,3 +42,11 @@ def test_a_result_that_would_overwrite_a_value_still_to_be_read_is_refused():
     read_only = np.ones(3)
     read_only.flags.writeable = False
     assert out_problem(read_only, read_only) == "out is read-only"
+
+
+def test_same_buffer_is_the_input_element_for_element():
+    x = np.arange(8.0)
+    assert same_buffer(x, x) and same_buffer(x, x.reshape(2, 4).reshape(8))
+    assert same_buffer(x.reshape(1, 8), x[None, :])          # size-1 dimensions' strides
+    assert not same_buffer(x, x.copy())
+    assert not same_buffer(x[::-1][::-1][::2], np.empty(4))   # a strided input is never in place

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from .conftest import ROOT, job_env
-from .test_slurm_templates import _wait_for
+from .test_slurm_templates import _read, _wait_for
 
 pytestmark = pytest.mark.timeout(1200)
 TEMPLATE = ROOT / "slurm" / "train_elastic.sbatch"
@@ -31,7 +31,7 @@ def test_preempted_at_4_ranks_resumed_at_2_then_3_with_the_same_bits(cluster, tm
     done = cluster.script("run", "node1", "sbatch", "--parsable", f"--output={out}",
                           "--nodes=1-3", str(TEMPLATE), cwd=ROOT, env=env)
     job_id = done.stdout.strip().split(";")[0]
-    text = lambda: out.read_text(errors="replace") if out.exists() else ""  # noqa: E731
+    text = lambda: _read(out)  # noqa: E731
     try:
         _wait_for(lambda: re.search(r"epoch +1/3", text()), 300, "the first epoch at 4 ranks")
         assert "4 ranks on 2 nodes" in text(), text()

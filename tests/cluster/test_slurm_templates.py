@@ -44,6 +44,12 @@ def _submit(cluster, script, out, env, *options):
     return done.stdout.strip().split(";")[0]
 
 
+def _read(path) -> str:
+    """A job's output file so far ("" before it exists): a read can end inside a character
+    of a progress bar still being written."""
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 def _wait_for(predicate, seconds, what):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -72,17 +78,17 @@ def test_preemptible_template_requeues_and_resumes(cluster, tmp_path):
            "TRAIN_ARGS": "--epochs 12"}
     job_id = _submit(cluster, ROOT / "slurm" / "train_preemptible.sbatch", out, env)
     try:
-        _wait_for(lambda: out.exists() and "epoch   2/12" in out.read_text(), 180,
+        _wait_for(lambda: "epoch   2/12" in _read(out), 180,
                   "the first epochs")
         # the warning signal of --signal=B:USR1@120, sent now: to the batch script
         cluster.script("run", "head", "scancel", "--signal=USR1", "--batch", job_id)
-        _wait_for(lambda: "requeueing job" in out.read_text(), 120, "the requeue")
-        # Slurm holds a requeued job back for about 2 minutes before it starts again
+        _wait_for(lambda: "requeueing job" in _read(out), 120, "the requeue")
+        # Slurm holds a requeued job back for cred_expire (20 s in scripts/cluster) first
         # the template's last line (squeue can answer nothing for a moment around a requeue)
-        _wait_for(lambda: "finished with exit code" in out.read_text(), 600, "the resumed run")
+        _wait_for(lambda: "finished with exit code" in _read(out), 600, "the resumed run")
     finally:
         cluster.script("run", "head", "scancel", job_id, check=False)
-    text = out.read_text()
+    text = _read(out)
     assert "restart 1" in text, text                       # SLURM_RESTART_COUNT after requeue
     assert "finished with exit code 0" in text, text
     assert re.search(r"^resumed from \S+ckpt-\d+: epoch \d+, step", text, re.M), text

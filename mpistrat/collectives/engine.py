@@ -224,14 +224,15 @@ class CollectiveEngine(SmallReductions):
             for target, result in zip(outs, results):
                 np.copyto(target, result)
         else:
-            opts, deadline = self._begin(what, signature_of(arrays), options)
+            signature = signature_of(arrays)
+            opts, deadline = self._begin(what, signature, options)
             if problem is not None:   # every rank saw the same problem (or agree raised)
                 raise InvalidArgumentError(what)
             refuse(what, arrays, op, value)
             if timeline.ON:
                 self._backend_name = _HOST_BACKEND.name
-            self._guard(_HOST_BACKEND.all_reduce, self.comm, arrays, op, opts, deadline, None,
-                        outs)
+            self._guard(_HOST_BACKEND.all_reduce, self.comm, arrays, op, opts, deadline,
+                        signature, outs)
         if start is not None:
             self._record(ALL_REDUCE_WHAT[op], start, arrays)
         return out

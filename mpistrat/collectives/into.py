@@ -53,6 +53,8 @@ def place_of(value: Any, out: Any) -> str:
         >>> place_of([x, y], [x, np.empty(3)])
         'in place: tensors 0'
     """
+    if out is value:
+        return "in place"
     arrays, outs = out_lists(value, out)
     flags = [same_buffer(a, o) for a, o in zip(arrays, outs)]
     if all(flags):
@@ -64,6 +66,8 @@ def place_of(value: Any, out: Any) -> str:
 
 def out_problem(value: Any, out: Any) -> Optional[str]:
     """What makes ``out`` unusable for ``value`` (a text naming the buffer), or None."""
+    if out is value and type(value) is list and _plain_in_place(value):
+        return None   # (the usual call, ``out=grads``: checked in one pass)
     if isinstance(value, np.ndarray):
         if not isinstance(out, np.ndarray):
             return f"out must be a NumPy array for a NumPy array, got {type(out).__name__}"
@@ -93,6 +97,15 @@ def out_problem(value: Any, out: Any) -> Optional[str]:
         if not target.flags.c_contiguous:
             return f"{name} is not C-contiguous"
     return _overlap(arrays, outs, one)
+
+
+def _plain_in_place(arrays: List) -> bool:
+    """Whether a list reduced in place needs no closer look: distinct NumPy arrays that own
+    their memory (so none overlaps another), each writable, aligned and C-contiguous."""
+    for array in arrays:
+        if type(array) is not np.ndarray or array.base is not None or not array.flags.carray:
+            return False
+    return len(set(map(id, arrays))) == len(arrays)
 
 
 def _overlap(arrays: List[np.ndarray], outs: List[np.ndarray], one: bool) -> Optional[str]:

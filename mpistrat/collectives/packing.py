@@ -144,8 +144,8 @@ def fused_all_reduce(comm: MPI.Comm, arrays: Sequence[np.ndarray], op: ReduceOp,
             if out is not None:   # (a fused bucket, or a tensor that travels wide)
                 rows = piece.reshape((count,) + shape)
                 for k in range(count):
-                    np.copyto(out[first + k], rows[k])
-                    results[first + k] = out[first + k]
+                    target = results[first + k] = out[first + k]
+                    target[...] = rows[k]   # (same shape and dtype: out_problem saw to it)
             elif count == 1:
                 results[first] = piece.reshape(shape)
             else:

@@ -322,6 +322,23 @@ def test_messages_split_at_the_count_limit(world, monkeypatch, algorithm):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.numpy_only("counts the host backend's MPI messages")
+def test_buffers_of_one_byte_size_split_by_their_own_counts(world, monkeypatch):
+    # one call, two buckets of 8000 bytes: 1000 float64 values, then 8000 int8 ones; the
+    # backend's memo of each size's algorithm must not let the second skip its split
+    monkeypatch.setattr(algorithms, "MESSAGE_ELEMENTS", 1000)
+    engine = engine_for(world, algorithm="mpi")
+    wide = np.arange(1000, dtype=np.float64) + world.rank
+    narrow = (np.arange(8000) % 50 + world.rank).astype(np.int8)
+    with algorithms.recording() as log:
+        out = engine.all_reduce([wide, narrow], "MAX")
+    np.testing.assert_array_equal(out[0], np.arange(1000) + world.size - 1)
+    np.testing.assert_array_equal(out[1], (np.arange(8000) % 50 + world.size - 1).astype(np.int8))
+    sizes = [e[3] for e in log if e[0] == "call"]
+    assert sizes and max(sizes) <= 1000, sizes
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.numpy_only("byte order is a NumPy notion")
 @pytest.mark.parametrize("count", [5, (1 << 20) // 8 + 3])
 def test_big_endian_arrays_of_any_size(world, strategy, count):

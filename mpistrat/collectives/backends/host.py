@@ -90,15 +90,17 @@ def host_allreduce(comm, send: np.ndarray, recv: np.ndarray, op: ReduceOp, deadl
 
 def _combiner(comm, op: ReduceOp, deadline, preference: str):
     """``combine(send, recv)`` for one ``fused_all_reduce`` call: ``host_allreduce``, whose
-    choice for a buffer size (in place or not) is remembered for the rest of the call where
-    no tuning table made it. The static rules are a function of the size, in place or not,
-    the communicator's topology and the preference alone, so every later buffer of that
-    size gets the same algorithm, with no second look at the table, topology or rules (the
-    ResNet-50 set has 52 tensors from 64 KiB and 17 sizes among them)."""
+    choice for a buffer of one byte size, element count and place (in place or not) is
+    remembered for the rest of the call where no tuning table made it and the buffer is one
+    MPI message. The static rules are a function of the byte size, the place, the
+    communicator's topology and the preference alone, so every later buffer of that key gets
+    the same algorithm with no second look at the table, topology or rules (the ResNet-50
+    set has 52 tensors from 64 KiB and 17 sizes among them); the count is in the key because
+    ``host_allreduce`` splits by it (``algorithms.MESSAGE_ELEMENTS``)."""
     chosen: dict = {}
 
     def combine(send: np.ndarray, recv: np.ndarray) -> None:
-        key = (send.nbytes, send is recv)
+        key = (send.nbytes, send.size, send is recv)
         algorithm = chosen.get(key)
         if algorithm == "hierarchical":
             hierarchical.host_allreduce(comm, send, recv, op, deadline)

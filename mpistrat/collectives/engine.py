@@ -102,6 +102,8 @@ class CollectiveEngine(SmallReductions):
         self._scalar_probes: Dict[tuple, tuple] = {}  # reduce_scalar's probes, by op and type
         self._flag_probes: Dict[int, tuple] = {}      # count_ranks' probes, by flag count
         self._small_probes: Dict[tuple, tuple] = {}   # small arrays', by op, dtype, shape
+        self._plain_ok = self._unvalidated_plain()     # validation off: scalars' own call
+        self._plain_scalars: Dict[tuple, tuple] = {}  # their buffers, by op and type
         self._exact_guesses: Dict[tuple, tuple] = {}  # reproducible sums' exponents, guessed
 
     # -- the common prologue -------------------------------------------------

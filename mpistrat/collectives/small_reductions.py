@@ -15,9 +15,12 @@ and the result is rounded once into the dtype (``validation.fold_result``)::
     >>> engine.reduce_scalar("SUM", np.float32(1.5))              # doctest: +SKIP
     np.float32(3.0)                                                # on 2 ranks
 
+With validation off (``MPISTRAT_VALIDATE=0``) a scalar takes the long path's own MPI call, a
+blocking ``Allreduce`` in its dtype, without the long path's layers (``_reduce_unvalidated``).
+
 The mixin reads the engine's state: ``comm``, ``size``, ``_probe``, the three probe caches,
-``_folds_plain``, ``_calls``, ``_broken``, ``_trace``, and its ``_prologue`` and
-``all_reduce``.
+``_plain_scalars``, ``_folds_plain``, ``_plain_ok``, ``_calls``, ``_broken``, ``_trace``, and
+its ``_prologue`` and ``all_reduce``.
 """
 
 import logging
@@ -25,8 +28,10 @@ import math
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from mpi4py import MPI
 
 from mpistrat.collectives.backends.host import HostMPI
+from mpistrat.collectives.dtypes import accumulator
 from mpistrat.collectives.options import CommunicationOptions
 from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.collectives.structure import signature_of
@@ -66,8 +71,10 @@ class SmallReductions:
             if kind is not float and kind not in FOLD_SCALARS:
                 return self._reduce_jax(op, value) if kind.__name__ == "ArrayImpl" and \
                     array_kind(value) == "jax" else None
+            if not self._folds_plain:
+                return self._reduce_unvalidated(op, kind, value)
             exact = ReduceOp.from_any(op)
-            if not self._folds_plain or exact not in EXACT or len(self._scalar_probes) > 64:
+            if exact not in EXACT or len(self._scalar_probes) > 64:
                 return None
             what = ALL_REDUCE_WHAT[exact]
             signature = _SCALAR_SIGNATURE if kind is float else signature_of([value])
@@ -87,6 +94,34 @@ class SmallReductions:
         if integer:  # an exact integer: a SUM beyond the dtype wraps, as MPI's does
             return np.array(int(total), np.int64).astype(make)[()]
         return make(total)
+
+    def _reduce_unvalidated(self, op, kind: type, value) -> Any:
+        """``reduce_scalar`` with validation off (``MPISTRAT_VALIDATE=0``): the long path's
+        own MPI call, one blocking ``Allreduce`` of the value in its wire dtype (float64 for
+        a Python float), so a rank here meets a rank on the long path, with none of its
+        layers; a MEAN's quotient has the bits of ``divide_for_mean``'s. None (the long path)
+        where the wire is not the dtype itself, or with a deadline, a reproducible sum, the
+        timeline, the trace or one rank."""
+        ready = self._plain_scalars.get((op, kind))
+        if ready is None:
+            if not self._plain_ok or (kind is not float and kind not in FOLD_SCALARS) or \
+                    len(self._plain_scalars) > 64:
+                return None
+            exact = ReduceOp.from_any(op)
+            dtype = _FLOAT64 if kind is float else np.dtype(kind)
+            if accumulator(dtype, exact) != dtype:
+                return None
+            ready = self._plain_scalars[(op, kind)] = (
+                np.empty(1, dtype), exact.mpi_op, dtype.type if exact is ReduceOp.MEAN else None)
+        if timeline.ON or self._broken or self._trace:
+            return None
+        self._calls += 1
+        buffer, mpi_op, mean_as = ready
+        buffer[0] = value
+        self.comm.Allreduce(MPI.IN_PLACE, buffer, mpi_op)
+        if mean_as is not None:   # (a float: divided in float64 and rounded once, the bits
+            return mean_as(float(buffer[0]) / self.size)   # of float32's own division too)
+        return buffer[0]
 
     def _reduce_jax(self, op, value) -> Any:
         """``reduce_scalar`` for a JAX array of at most ``PAYLOAD_SLOTS`` values of a
@@ -164,6 +199,13 @@ class SmallReductions:
         if options is not None and (options.deterministic or options.timeout_seconds is not None):
             return False
         return self.options.timeout_seconds is None and self.default_timeout is None
+
+    def _unvalidated_plain(self) -> bool:
+        """Whether ``_reduce_unvalidated`` may take a scalar: validation off, several ranks,
+        no deadline, not deterministic (read once, as ``_folds`` is)."""
+        return not self.validate and self.size > 1 and not (
+            self.deterministic or self.options.deterministic) and \
+            self.options.timeout_seconds is None and self.default_timeout is None
 
     def _trace_fold(self, what: str, elements: int, kind: str = "numpy") -> None:
         log.debug("#%d %s: 1 tensors, %d elements, timeout=None", self._calls, what, elements)

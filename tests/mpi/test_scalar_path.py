@@ -214,3 +214,30 @@ def test_jax_losses_take_the_hot_path_and_keep_their_device_and_commitment(world
     wide = jnp.zeros(64, jnp.float32)                               # too many values: long path
     np.testing.assert_array_equal(np.asarray(strategy.reduce("SUM", wide, axis=None)),
                                   np.zeros(64, np.float32))
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("op", ["SUM", "MEAN", "MAX", "MIN"])
+@pytest.mark.parametrize("kind", [float, np.float64, np.float32, np.int32, np.uint8,
+                                  np.float16])
+def test_validation_off_scalars_take_the_long_paths_call_and_values(world, monkeypatch, op,
+                                                                    kind):
+    """With MPISTRAT_VALIDATE=0 a scalar is one blocking Allreduce in its own dtype: the
+    long path's call (rank 0 here meets the others on the long path) and its bits."""
+    monkeypatch.setenv("MPISTRAT_VALIDATE", "0")
+    engine = CollectiveEngine(world.comm)
+    value = kind(0.25 * world.rank + 1.5) if kind is float or np.dtype(kind).kind == "f" \
+        else kind(world.rank + 3)
+    want = engine.all_reduce(np.array([value]), op)[0]      # the long path
+    fast = engine.reduce_scalar(op, value)
+    takes = world.size > 1 and kind is not np.float16 and not (
+        op == "MEAN" and np.dtype(kind).kind in "iu")      # (whose wire is another dtype)
+    assert (fast is not None) == takes, fast
+    if takes:
+        assert type(fast) is (np.float64 if kind is float else kind)
+        assert fast.tobytes() == want.tobytes(), (fast, want)
+        mixed = engine.reduce_scalar(op, value) if world.rank == 0 else \
+            engine.all_reduce(np.asarray(value), op)[()]
+        assert mixed.tobytes() == want.tobytes()
+    monkeypatch.setenv("MPISTRAT_COLLECTIVE_TIMEOUT", "60")  # timed: the long path only
+    assert CollectiveEngine(world.comm).reduce_scalar(op, value) is None

@@ -104,6 +104,7 @@ class CollectiveEngine(SmallReductions):
         self._small_probes: Dict[tuple, tuple] = {}   # small arrays', by op, dtype, shape
         self._plain_ok = self._unvalidated_plain()     # validation off: scalars' own call
         self._plain_scalars: Dict[tuple, tuple] = {}  # their buffers, by op and type
+        self._plain_arrays: Dict[tuple, tuple] = {}   # small arrays' ops, by op and dtype
         self._exact_guesses: Dict[tuple, tuple] = {}  # reproducible sums' exponents, guessed
 
     # -- the common prologue -------------------------------------------------

@@ -15,11 +15,12 @@ and the result is rounded once into the dtype (``validation.fold_result``)::
     >>> engine.reduce_scalar("SUM", np.float32(1.5))              # doctest: +SKIP
     np.float32(3.0)                                                # on 2 ranks
 
-With validation off (``MPISTRAT_VALIDATE=0``) a scalar takes the long path's own MPI call, a
-blocking ``Allreduce`` in its dtype, without the long path's layers (``_reduce_unvalidated``).
+With validation off (``MPISTRAT_VALIDATE=0``) a scalar, a small array or the flags take the
+long path's own MPI call, a blocking ``Allreduce`` in their dtype, without the long path's
+layers (``_reduce_unvalidated``, ``_small_unvalidated``).
 
 The mixin reads the engine's state: ``comm``, ``size``, ``_probe``, the three probe caches,
-``_plain_scalars``, ``_folds_plain``, ``_plain_ok``, ``_calls``, ``_broken``, ``_trace``, and
+``_plain_scalars``, ``_plain_arrays``, ``_folds_plain``, ``_plain_ok``, ``_calls``, ``_broken``, ``_trace``, and
 its ``_prologue`` and ``all_reduce``.
 """
 
@@ -33,7 +34,7 @@ from mpi4py import MPI
 from mpistrat.collectives.backends.host import HostMPI
 from mpistrat.collectives.dtypes import accumulator
 from mpistrat.collectives.options import CommunicationOptions
-from mpistrat.collectives.reduce_op import ReduceOp
+from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
 from mpistrat.collectives.structure import signature_of
 from mpistrat.collectives.validation import FOLDABLE, PAYLOAD_SLOTS, fold_result
 from mpistrat.runtime import timeline
@@ -123,6 +124,29 @@ class SmallReductions:
             return mean_as(float(buffer[0]) / self.size)   # of float32's own division too)
         return buffer[0]
 
+    def _small_unvalidated(self, op, array: np.ndarray) -> Optional[np.ndarray]:
+        """``_reduce_small`` (or ``count_ranks``) with validation off: as
+        ``_reduce_unvalidated``, the long path's own call for one tensor (a blocking
+        out-of-place ``Allreduce`` in the dtype, then ``divide_for_mean``) into a new array;
+        None where the wire is another dtype or the long path is due."""
+        if not self._plain_ok or timeline.ON or self._broken or self._trace:
+            return None
+        ready = self._plain_arrays.get((op, array.dtype))
+        if ready is None:
+            exact = ReduceOp.from_any(op)
+            if accumulator(array.dtype, exact) != array.dtype or len(self._plain_arrays) > 64:
+                return None
+            ready = self._plain_arrays[(op, array.dtype)] = (exact.mpi_op,
+                                                             exact is ReduceOp.MEAN)
+        self._calls += 1
+        mpi_op, mean = ready
+        send = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+        out = np.empty_like(send)
+        self.comm.Allreduce(send, out, mpi_op)
+        if mean:
+            divide_for_mean(out, self.size)
+        return out
+
     def _reduce_jax(self, op, value) -> Any:
         """``reduce_scalar`` for a JAX array of at most ``PAYLOAD_SLOTS`` values of a
         ``FOLDABLE`` dtype (a loss): its host copy takes the NumPy path, and the result goes
@@ -143,8 +167,10 @@ class SmallReductions:
         if ready is None:
             if not (0 < array.size <= PAYLOAD_SLOTS and array.ndim and array.dtype in FOLDABLE):
                 return None
+            if not self._folds_plain:
+                return self._small_unvalidated(op, array)
             exact = ReduceOp.from_any(op)
-            if not self._folds_plain or exact not in EXACT or len(self._small_probes) > 64:
+            if exact not in EXACT or len(self._small_probes) > 64:
                 return None
             what = ALL_REDUCE_WHAT[exact]
             signature = signature_of([array])
@@ -179,6 +205,10 @@ class SmallReductions:
         count = len(flags)
         ready = self._flag_probes.get(count)
         if ready is None or timeline.ON or self._broken:
+            if not self._folds_plain and 0 < count <= PAYLOAD_SLOTS:
+                counts = self._small_unvalidated(ReduceOp.SUM, np.array(flags, np.float64))
+                if counts is not None:
+                    return counts
             if ready is None and self._folds_plain and 0 < count <= PAYLOAD_SLOTS:
                 signature = signature_of([np.zeros(count)])
                 self._flag_probes[count] = (signature, self._probe.ready(

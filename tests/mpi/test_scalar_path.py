@@ -241,3 +241,26 @@ def test_validation_off_scalars_take_the_long_paths_call_and_values(world, monke
         assert mixed.tobytes() == want.tobytes()
     monkeypatch.setenv("MPISTRAT_COLLECTIVE_TIMEOUT", "60")  # timed: the long path only
     assert CollectiveEngine(world.comm).reduce_scalar(op, value) is None
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("op", ["SUM", "MEAN", "MAX"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.float16])
+def test_validation_off_small_arrays_and_flags_take_the_long_paths_call(world, monkeypatch, op,
+                                                                        dtype):
+    monkeypatch.setenv("MPISTRAT_VALIDATE", "0")
+    engine = CollectiveEngine(world.comm)
+    array = (np.arange(8).reshape(2, 4) * 0.75 + world.rank).astype(dtype)[:, ::-1]  # strided
+    want = engine.all_reduce([array], op)[0]                 # the long path
+    fast = engine.reduce_scalar(op, array)
+    takes = world.size > 1 and dtype is not np.float16 and not (
+        op == "MEAN" and np.dtype(dtype).kind == "i")
+    assert (fast is not None) == takes, fast
+    if takes:
+        assert fast.dtype == dtype and fast.shape == (2, 4) and fast is not array
+        assert fast.tobytes() == want.tobytes()
+        mixed = engine.reduce_scalar(op, array) if world.rank == world.size - 1 else \
+            engine.all_reduce([array], op)[0]
+        assert mixed.tobytes() == want.tobytes()
+    flags = [world.rank == 0, True, False]
+    assert list(engine.count_ranks(flags)) == [1.0, world.size, 0.0]

@@ -232,10 +232,12 @@ class SmallReductions:
 
     def _unvalidated_plain(self) -> bool:
         """Whether ``_reduce_unvalidated`` may take a scalar: validation off, several ranks,
-        no deadline, not deterministic (read once, as ``_folds`` is)."""
+        no deadline, not deterministic, no algorithm asked for (the long path would run that
+        one even for one value; read once, as ``_folds`` is)."""
         return not self.validate and self.size > 1 and not (
             self.deterministic or self.options.deterministic) and \
-            self.options.timeout_seconds is None and self.default_timeout is None
+            self.options.timeout_seconds is None and self.default_timeout is None and \
+            getattr(self.options, "algorithm", "auto") == "auto"
 
     def _trace_fold(self, what: str, elements: int, kind: str = "numpy") -> None:
         log.debug("#%d %s: 1 tensors, %d elements, timeout=None", self._calls, what, elements)

@@ -239,6 +239,8 @@ def test_validation_off_scalars_take_the_long_paths_call_and_values(world, monke
         mixed = engine.reduce_scalar(op, value) if world.rank == 0 else \
             engine.all_reduce(np.asarray(value), op)[()]
         assert mixed.tobytes() == want.tobytes()
+    ring = CollectiveEngine(world.comm, ms.CommunicationOptions(algorithm="ring"))
+    assert ring.reduce_scalar(op, value) is None           # the algorithm asked for runs
     monkeypatch.setenv("MPISTRAT_COLLECTIVE_TIMEOUT", "60")  # timed: the long path only
     assert CollectiveEngine(world.comm).reduce_scalar(op, value) is None
 

@@ -15,9 +15,10 @@ and the result is rounded once into the dtype (``validation.fold_result``)::
     >>> engine.reduce_scalar("SUM", np.float32(1.5))              # doctest: +SKIP
     np.float32(3.0)                                                # on 2 ranks
 
-With validation off (``MPISTRAT_VALIDATE=0``) a scalar, a small array or the flags take the
-long path's own MPI call, a blocking ``Allreduce`` in their dtype, without the long path's
-layers (``_reduce_unvalidated``, ``_small_unvalidated``).
+With validation off (``MPISTRAT_VALIDATE=0``) a NumPy scalar or small array and the flags take
+the long path's own MPI call where its rules give MPI's own for them (``_unvalidated_plain``):
+a blocking out-of-place ``Allreduce`` in their dtype, without the long path's layers
+(``_reduce_unvalidated``, ``_small_unvalidated``). JAX values keep the long path there.
 
 The mixin reads the engine's state: ``comm``, ``size``, ``_probe``, the three probe caches,
 ``_plain_scalars``, ``_plain_arrays``, ``_folds_plain``, ``_plain_ok``, ``_calls``, ``_broken``, ``_trace``, and
@@ -31,6 +32,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
+from mpistrat.collectives import algorithms
 from mpistrat.collectives.backends.host import HostMPI
 from mpistrat.collectives.dtypes import accumulator
 from mpistrat.collectives.options import CommunicationOptions
@@ -113,16 +115,17 @@ class SmallReductions:
             if accumulator(dtype, exact) != dtype:
                 return None
             ready = self._plain_scalars[(op, kind)] = (
-                np.empty(1, dtype), exact.mpi_op, dtype.type if exact is ReduceOp.MEAN else None)
+                np.empty(1, dtype), np.empty(1, dtype), exact.mpi_op,
+                dtype.type if exact is ReduceOp.MEAN else None)
         if timeline.ON or self._broken or self._trace:
             return None
         self._calls += 1
-        buffer, mpi_op, mean_as = ready
-        buffer[0] = value
-        self.comm.Allreduce(MPI.IN_PLACE, buffer, mpi_op)
+        send, total, mpi_op, mean_as = ready
+        send[0] = value
+        self.comm.Allreduce(send, total, mpi_op)   # (out of place, as the long path's)
         if mean_as is not None:   # (a float: divided in float64 and rounded once, the bits
-            return mean_as(float(buffer[0]) / self.size)   # of float32's own division too)
-        return buffer[0]
+            return mean_as(float(total[0]) / self.size)    # of float32's own division too)
+        return total[0]
 
     def _small_unvalidated(self, op, array: np.ndarray) -> Optional[np.ndarray]:
         """``_reduce_small`` (or ``count_ranks``) with validation off: as
@@ -151,8 +154,8 @@ class SmallReductions:
         """``reduce_scalar`` for a JAX array of at most ``PAYLOAD_SLOTS`` values of a
         ``FOLDABLE`` dtype (a loss): its host copy takes the NumPy path, and the result goes
         back to its device as the long path's would."""
-        if value.size > PAYLOAD_SLOTS or value.dtype not in FOLDABLE:
-            return None
+        if value.size > PAYLOAD_SLOTS or value.dtype not in FOLDABLE or not self._folds_plain:
+            return None   # (validation off: the long path, whose backend may be NCCL's)
         host = np.asarray(value)
         total = self.reduce_scalar(op, host[()] if host.ndim == 0 else host)
         return None if total is None else from_host(np.asarray(total), value)
@@ -231,13 +234,18 @@ class SmallReductions:
         return self.options.timeout_seconds is None and self.default_timeout is None
 
     def _unvalidated_plain(self) -> bool:
-        """Whether ``_reduce_unvalidated`` may take a scalar: validation off, several ranks,
-        no deadline, not deterministic, no algorithm asked for (the long path would run that
-        one even for one value; read once, as ``_folds`` is)."""
+        """Whether ``_reduce_unvalidated`` and ``_small_unvalidated`` may take a scalar, a
+        small array or the flags: validation off, several ranks, no deadline, not
+        deterministic, and MPI's own call where the long path's rules stand for buffers of
+        ``PAYLOAD_SLOTS`` values or fewer: no algorithm asked for (the long path runs it even
+        for one value) and no ring threshold at or below their bytes (read once, as
+        ``_folds`` is)."""
+        ring_from = algorithms.RING_THRESHOLD_BYTES
         return not self.validate and self.size > 1 and not (
             self.deterministic or self.options.deterministic) and \
             self.options.timeout_seconds is None and self.default_timeout is None and \
-            getattr(self.options, "algorithm", "auto") == "auto"
+            getattr(self.options, "algorithm", "auto") == "auto" and \
+            not 0 <= ring_from <= 8 * PAYLOAD_SLOTS
 
     def _trace_fold(self, what: str, elements: int, kind: str = "numpy") -> None:
         log.debug("#%d %s: 1 tensors, %d elements, timeout=None", self._calls, what, elements)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mpistrat as ms
-from mpistrat.collectives import CollectiveEngine
+from mpistrat.collectives import CollectiveEngine, algorithms
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.runtime import timeline
 
@@ -241,6 +241,10 @@ def test_validation_off_scalars_take_the_long_paths_call_and_values(world, monke
         assert mixed.tobytes() == want.tobytes()
     ring = CollectiveEngine(world.comm, ms.CommunicationOptions(algorithm="ring"))
     assert ring.reduce_scalar(op, value) is None           # the algorithm asked for runs
+    monkeypatch.setattr(algorithms, "RING_THRESHOLD_BYTES", 0)   # the ring from 0 bytes
+    assert CollectiveEngine(world.comm).reduce_scalar(op, value) is None
+    monkeypatch.undo()
+    monkeypatch.setenv("MPISTRAT_VALIDATE", "0")
     monkeypatch.setenv("MPISTRAT_COLLECTIVE_TIMEOUT", "60")  # timed: the long path only
     assert CollectiveEngine(world.comm).reduce_scalar(op, value) is None
 
@@ -266,3 +270,5 @@ def test_validation_off_small_arrays_and_flags_take_the_long_paths_call(world, m
         assert mixed.tobytes() == want.tobytes()
     flags = [world.rank == 0, True, False]
     assert list(engine.count_ranks(flags)) == [1.0, world.size, 0.0]
+    jnp = pytest.importorskip("jax.numpy")   # JAX keeps the long path (its backend may be NCCL)
+    assert engine.reduce_scalar(op, jnp.asarray(array)) is None

@@ -103,17 +103,22 @@ def _plain_in_place(arrays: List) -> bool:
     """Whether a list reduced in place needs no closer look: distinct NumPy arrays that own
     their memory (so none overlaps another), each writable, aligned and C-contiguous."""
     for array in arrays:
-        if type(array) is not np.ndarray or array.base is not None or not array.flags.carray:
+        if type(array) is not np.ndarray or not array.flags.carray:
             return False
-    return len(set(map(id, arrays))) == len(arrays)
+    return _distinct_owners(arrays)
+
+
+def _distinct_owners(buffers: List[np.ndarray]) -> bool:
+    """Whether ``buffers`` are distinct arrays that own their memory: none overlaps another."""
+    return all(b.base is None for b in buffers) and len(set(map(id, buffers))) == len(buffers)
 
 
 def _overlap(arrays: List[np.ndarray], outs: List[np.ndarray], one: bool) -> Optional[str]:
     """Which result would overwrite another buffer of the call, or None."""
     read = [a for a, o in zip(arrays, outs) if o is not a]
     buffers = outs + read
-    if all(b.base is None for b in buffers) and len(set(map(id, buffers))) == len(buffers):
-        return None   # distinct arrays that own their memory never overlap (the usual case)
+    if _distinct_owners(buffers):
+        return None   # (the usual case)
     spans = []
     for index, (array, target) in enumerate(zip(arrays, outs)):
         if target.nbytes:

@@ -107,9 +107,8 @@ class SmallReductions:
         timeline, the trace or one rank."""
         ready = self._plain_scalars.get((op, kind))
         if ready is None:
-            if not self._plain_ok or (kind is not float and kind not in FOLD_SCALARS) or \
-                    len(self._plain_scalars) > 64:
-                return None
+            if not self._plain_ok or len(self._plain_scalars) > 64:   # (kind: a float or
+                return None                            # in FOLD_SCALARS, reduce_scalar's test)
             exact = ReduceOp.from_any(op)
             dtype = _FLOAT64 if kind is float else np.dtype(kind)
             if accumulator(dtype, exact) != dtype:
@@ -227,11 +226,16 @@ class SmallReductions:
     def _folds(self, options: Optional[CommunicationOptions] = None) -> bool:
         """Whether a small float64 SUM/MEAN rides with the validation probe: validated,
         several ranks, no deadline, not deterministic (all part of what ranks agree on)."""
-        if not self.validate or self.size == 1 or self.deterministic or self.options.deterministic:
+        if not self.validate or not self._untimed_ordinary():
             return False
-        if options is not None and (options.deterministic or options.timeout_seconds is not None):
-            return False
-        return self.options.timeout_seconds is None and self.default_timeout is None
+        return options is None or not (options.deterministic or
+                                       options.timeout_seconds is not None)
+
+    def _untimed_ordinary(self) -> bool:
+        """Several ranks, no engine deadline, no reproducible sums: what both one-collective
+        small paths (``_folds``, ``_unvalidated_plain``) need of the engine."""
+        return self.size > 1 and not (self.deterministic or self.options.deterministic) and \
+            self.options.timeout_seconds is None and self.default_timeout is None
 
     def _unvalidated_plain(self) -> bool:
         """Whether ``_reduce_unvalidated`` and ``_small_unvalidated`` may take a scalar, a
@@ -241,9 +245,7 @@ class SmallReductions:
         for one value) and no ring threshold at or below their bytes (read once, as
         ``_folds`` is)."""
         ring_from = algorithms.RING_THRESHOLD_BYTES
-        return not self.validate and self.size > 1 and not (
-            self.deterministic or self.options.deterministic) and \
-            self.options.timeout_seconds is None and self.default_timeout is None and \
+        return not self.validate and self._untimed_ordinary() and \
             getattr(self.options, "algorithm", "auto") == "auto" and \
             not 0 <= ring_from <= 8 * PAYLOAD_SLOTS
 

@@ -38,13 +38,14 @@ from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.collectives.schedules import (FRESH, INPUT, PLACE, Step, rabenseifner_steps,
+                                            ring_allreduce_steps,
                                             ring_all_gather_steps, ring_reduce_scatter_steps)
 from mpistrat.partition import even_ranges
 from mpistrat.runtime import settings
 from mpistrat.runtime import timeline
 
 __all__ = ["ring_chunks", "choose_algorithm", "explain_algorithm", "allreduce", "play",
-           "ring_reduce_scatter", "ring_all_gather", "recording",
+           "compile_steps", "ring_reduce_scatter", "ring_all_gather", "recording",
            "RING_THRESHOLD_BYTES", "ALGORITHMS", "MESSAGE_ELEMENTS"]
 
 ALGORITHMS = ("auto", "mpi", "ring", "hierarchical", "reduce_broadcast", "rabenseifner")
@@ -184,43 +185,98 @@ def play(comm: MPI.Comm, steps: Sequence[Step], src: np.ndarray, out: np.ndarray
     ``src`` is only read (it may be ``out`` itself); received elements are
     combined with ``op`` or placed, as each step says.
     """
-    combine = _COMBINE[op]
     apart = not np.may_share_memory(src, out)   # (in place: views of one buffer)
-    need = max((s.recv[2] - s.recv[1] for s in steps if s.recv is not None
-                and s.combine != PLACE and not (apart and s.combine == FRESH)), default=0)
-    scratch = default_pool().take((need,), out.dtype) if need else out[:0]
-    record = _recording
-    ranks = _world_ranks(comm) if record is not None else None
+    _play_moves(comm, compile_steps(steps, apart), src, out, op, deadline, what)
+
+
+_DIRECT = "direct"   # a fresh combine received straight into its place
+
+
+def compile_steps(steps: Sequence[Step], apart: bool) -> Tuple[tuple, int]:
+    """``(moves, scratch elements)``: what ``play`` does at each step, decided once (pure).
+
+    A move is ``(step, send, send from the input, recv, how)``; ``how`` is ``PLACE``,
+    ``_DIRECT`` (out of place, a fresh combine receives straight into its place and
+    combines there: no scratch pass, the memory traffic of in place), or ``FRESH`` /
+    ``ACCUMULATE`` through a scratch buffer of the returned size.
+
+    >>> from mpistrat.collectives.schedules import ring_allreduce_steps
+    >>> moves, scratch = compile_steps(ring_allreduce_steps(0, 2, 8), apart=True)
+    >>> [how for *_, how in moves], scratch
+    (['direct', 'place'], 0)
+    >>> compile_steps(ring_allreduce_steps(0, 2, 8), apart=False)[1]
+    4
+    """
+    moves, scratch = [], 0
     for step in steps:
         send, recv = step.send, step.recv
-        if record is not None:
-            record.append(_step_event(step, ranks))
-        outgoing = incoming = None
-        if send is not None:
-            outgoing = (src if step.source == INPUT else out)[send[1]:send[2]]
-        direct = False
+        how = None
         if recv is not None:
             c, d = recv[1], recv[2]
-            # a fresh combine out of place receives straight into its place and combines
-            # there: no scratch pass, the memory traffic of in place
-            direct = step.combine == PLACE or (apart and step.combine == FRESH and not (
-                send is not None and step.source != INPUT and send[1] < d and c < send[2]))
-            if not direct and scratch.size < d - c:   # (a fresh step that overlaps its send)
-                scratch = default_pool().take((d - c,), out.dtype)
-            incoming = out[c:d] if direct else scratch[:d - c]
-        _exchange(comm, outgoing, send and send[0], incoming, recv and recv[0], deadline, what)
-        if recv is not None and step.combine != PLACE:
-            if direct:   # (the operands in the scratch path's order: MIN/MAX of -0.0, NaN)
-                combine(src[c:d], incoming, out=incoming)
-            else:
-                combine((src if step.combine == FRESH else out)[c:d], incoming, out=out[c:d])
+            if step.combine == PLACE:
+                how = PLACE
+            elif apart and step.combine == FRESH and not (
+                    send is not None and step.source != INPUT and send[1] < d and c < send[2]):
+                how = _DIRECT
+            else:   # (in place, an accumulate, or a fresh step that overlaps its send)
+                how = step.combine
+                scratch = max(scratch, d - c)
+        moves.append((step, send, send is not None and step.source == INPUT, recv, how))
+    return tuple(moves), scratch
+
+
+# Compiled ring and Rabenseifner schedules, by (algorithm, rank, size, count, apart): a
+# training loop reduces the same tensor sizes every step, and making the steps cost more
+# than two small exchanges (docs/benchmarks.md, issue 20's sixth step).
+_COMPILED: dict = {}
+_STEPS = {"ring": ring_allreduce_steps, "rabenseifner": rabenseifner_steps}
+
+
+def _compiled(algorithm: str, rank: int, size: int, count: int, apart: bool):
+    key = (algorithm, rank, size, count, apart)
+    plan = _COMPILED.get(key)
+    if plan is None:
+        if len(_COMPILED) >= 1024:
+            _COMPILED.clear()
+        plan = _COMPILED[key] = compile_steps(_STEPS[algorithm](rank, size, count), apart)
+    return plan
+
+
+def _play_moves(comm, compiled, src, out, op, deadline, what) -> None:
+    """``play`` of compiled steps (``compile_steps``)."""
+    moves, need = compiled
+    combine = _COMBINE[op]
+    scratch = default_pool().take((need,), out.dtype) if need else out[:0]   # (empty receives)
+    record = _recording
+    ranks = _world_ranks(comm) if record is not None else None
+    for step, send, from_input, recv, how in moves:
+        if record is not None:
+            record.append(_step_event(step, ranks))
+        outgoing = None if send is None else (src if from_input else out)[send[1]:send[2]]
+        if recv is None:
+            _exchange(comm, outgoing, send and send[0], None, None, deadline, what)
+            continue
+        c, d = recv[1], recv[2]
+        incoming = out[c:d] if how is PLACE or how is _DIRECT else scratch[:d - c]
+        _exchange(comm, outgoing, send and send[0], incoming, recv[0], deadline, what)
+        if how is _DIRECT:   # (the operands in the scratch path's order: MIN/MAX of -0.0, NaN)
+            combine(src[c:d], incoming, out=incoming)
+        elif how is not PLACE:
+            combine((src if how == FRESH else out)[c:d], incoming, out=out[c:d])
 
 
 def _ring_allreduce(comm, send, recv, op, deadline):
+    """Reduce-scatter, then all-gather around the ring (``schedules.ring_allreduce_steps``:
+    this rank's chunk complete, then every chunk everywhere), compiled once per size."""
     src, out = send.reshape(-1), recv.reshape(-1)
-    bounds = ring_chunks(src.size, comm.Get_size())
-    ring_reduce_scatter(comm, src, out, bounds, op, deadline)  # 1. this rank's chunk complete
-    ring_all_gather(comm, out, bounds, deadline)               # 2. every chunk everywhere
+    size = comm.Get_size()
+    if size == 1:
+        if src is not out:
+            out[:] = src
+        return
+    compiled = _compiled("ring", comm.Get_rank(), size, src.size,
+                         not np.may_share_memory(src, out))
+    _play_moves(comm, compiled, src, out, op, deadline, f"ring all_reduce {op.name}")
 
 
 def _rabenseifner_allreduce(comm, send, recv, op, deadline):
@@ -232,8 +288,9 @@ def _rabenseifner_allreduce(comm, send, recv, op, deadline):
         if src is not out:
             out[:] = src
         return
-    steps = rabenseifner_steps(comm.Get_rank(), size, src.size)
-    play(comm, steps, src, out, op, deadline, f"rabenseifner all_reduce {op.name}")
+    compiled = _compiled("rabenseifner", comm.Get_rank(), size, src.size,
+                         not np.may_share_memory(src, out))
+    _play_moves(comm, compiled, src, out, op, deadline, f"rabenseifner all_reduce {op.name}")
 
 
 def ring_reduce_scatter(comm: MPI.Comm, src: np.ndarray, out: np.ndarray,

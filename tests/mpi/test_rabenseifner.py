@@ -50,3 +50,32 @@ def test_a_user_asks_for_rabenseifner_by_name(world):
     np.testing.assert_array_equal(total[1], np.arange(5.0) * n)
     mean = strategy.extended.engine.all_reduce(np.ones(2 << 20, np.float32), "MEAN", options)
     np.testing.assert_array_equal(mean, np.ones(2 << 20, np.float32))
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "rabenseifner"])
+def test_compiled_schedules_serve_each_size_and_place_with_mpi_bits(world, algorithm):
+    """Both schedules are compiled once per (rank, size, count, place) and reused: a size
+    seen out of place, then in place, then out of place again (into a buffer that is a view
+    of its input's memory), and a second size, must each give MPI's own sums every time."""
+    rng = np.random.default_rng(7 + world.rank)
+    for count in (4099, 1 << 16, 4099, 5, 1 << 16):
+        for place in ("apart", "in place", "apart", "overlapping"):
+            values = rng.integers(-40, 40, count).astype(np.float64)
+            expected = np.empty_like(values)
+            world.comm.Allreduce(values, expected)
+            if place == "in place":
+                allreduce(world.comm, values, values, ReduceOp.SUM, None, algorithm)
+                result = values
+            elif place == "overlapping":   # (a view of the input: may_share_memory is true)
+                backing = np.concatenate([values, np.zeros(1)])
+                result = backing[:count]
+                allreduce(world.comm, backing[:count], result, ReduceOp.SUM, None, algorithm)
+            else:
+                result = np.full_like(values, np.nan)
+                allreduce(world.comm, values, result, ReduceOp.SUM, None, algorithm)
+            np.testing.assert_array_equal(result, expected, err_msg=f"{count} {place}")
+    if world.size > 1:
+        keys = [k for k in algorithms._COMPILED if k[0] == algorithm and k[1] == world.rank and
+                k[2] == world.size and k[3] in (4099, 1 << 16, 5)]
+        assert {(k[3], k[4]) for k in keys} == {(n, apart) for n in (4099, 1 << 16, 5)
+                                                 for apart in (True, False)}, keys

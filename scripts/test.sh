@@ -31,7 +31,7 @@ timeout --kill-after=15 300 "$PY" -m pytest -q -rs --color=no -p no:cacheprovide
     tests/gpu 2>&1 | tee "$logs/gpu.log" || failed_runs="$failed_runs gpu"
 
 echo "=== main job (jobs/train.py at 1-4 ranks, SIGKILL and resume), preemption, Slurm templates, jobs/examples at 1 and 2 ranks"
-timeout --kill-after=15 900 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=300 --timeout-method=thread \
+timeout --kill-after=15 900 "$PY" -m pytest -q --color=no -p no:cacheprovider --durations=12 --timeout=300 --timeout-method=thread \
     $JOB_TESTS 2>&1 | tee "$logs/jobs.log" || failed_runs="$failed_runs jobs"
 
 # ranks_run NAME N TESTS [mpirun limit] [pytest timeout]: one multi-rank pytest run; on

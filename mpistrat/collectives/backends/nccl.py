@@ -36,7 +36,7 @@ from mpistrat.collectives.backends.base import Backend, PlanCache, options_of, w
 from mpistrat.collectives.backends.host import host_allreduce
 from mpistrat.collectives.backends.staged import (StagedHostMPI, device_buckets, device_unpack,
                                                   divide_on_device, on_cuda)
-from mpistrat.collectives.deadline import Deadline
+from mpistrat.collectives.deadline import Deadline, idle
 from mpistrat.collectives.options import CommunicationImplementation
 from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.collectives.topology import comm_topology
@@ -110,7 +110,7 @@ class NcclComm:
         import cupy
         event = cupy.cuda.Event(disable_timing=True)
         event.record()
-        pause = 1e-5
+        started = time.monotonic()
         while not event.done:
             self.nccl.check_async_error()
             if deadline.expired():
@@ -119,8 +119,7 @@ class NcclComm:
                     f"{what} (NCCL) did not complete within timeout_seconds={deadline.seconds:g} "
                     f"on rank {self.rank}: another rank did not join it; the NCCL communicator "
                     f"was aborted and this engine refuses further collectives")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            idle(started)
 
     def abort(self) -> None:
         if not self.aborted:

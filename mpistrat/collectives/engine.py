@@ -98,6 +98,9 @@ class CollectiveEngine(SmallReductions):
         self._id = _ENGINES[0] = _ENGINES[0] + 1
         self._backend_name = ""
         self._probe = Probe(comm)
+        # the small reductions' timeout (options give none for them): the long path's
+        self._fold_timeout = self.options.timeout_seconds \
+            if self.options.timeout_seconds is not None else self.default_timeout
         self._folds_plain = self._folds()  # (its inputs are read once, above)
         self._scalar_probes: Dict[tuple, tuple] = {}  # reduce_scalar's probes, by op and type
         self._flag_probes: Dict[int, tuple] = {}      # count_ranks' probes, by flag count
@@ -194,7 +197,7 @@ class CollectiveEngine(SmallReductions):
             signature = signature_of(arrays)
             if len(arrays) == 1 and op in EXACT and arrays[0].size <= PAYLOAD_SLOTS and \
                     arrays[0].dtype in FOLDABLE and self._folds(options):
-                results = [self._fold_small(op, arrays[0], signature)]
+                results = [self._fold_small(op, arrays[0], signature, options)]
             else:
                 opts, deadline = self._begin(what, signature, options)
                 refuse(what, arrays, op, value)

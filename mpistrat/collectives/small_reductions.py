@@ -21,8 +21,8 @@ a blocking out-of-place ``Allreduce`` in their dtype, without the long path's la
 (``_reduce_unvalidated``, ``_small_unvalidated``). JAX values keep the long path there.
 
 The mixin reads the engine's state: ``comm``, ``size``, ``_probe``, the three probe caches,
-``_plain_scalars``, ``_plain_arrays``, ``_folds_plain``, ``_plain_ok``, ``_calls``, ``_broken``, ``_trace``, and
-its ``_prologue`` and ``all_reduce``.
+``_plain_scalars``, ``_plain_arrays``, ``_folds_plain``, ``_fold_timeout``, ``_plain_ok``, ``_calls``, ``_broken``, ``_trace``, and
+its ``_prologue``, ``_guard`` and ``all_reduce``.
 """
 
 import logging
@@ -34,6 +34,7 @@ from mpi4py import MPI
 
 from mpistrat.collectives import algorithms
 from mpistrat.collectives.backends.host import HostMPI
+from mpistrat.collectives.deadline import Deadline
 from mpistrat.collectives.dtypes import accumulator
 from mpistrat.collectives.options import CommunicationOptions
 from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
@@ -84,14 +85,15 @@ class SmallReductions:
             dtype = np.dtype(kind) if kind is not float else _FLOAT64
             ready = self._scalar_probes[(op, kind)] = (
                 exact is ReduceOp.MEAN, dtype.kind in "iu", dtype.type, what, signature,
-                self._probe.ready(what, signature))
+                self._probe.ready(what, signature, self._fold_timeout is not None))
         if timeline.ON or self._broken:
             return None  # (all_reduce records the call, or refuses it)
         self._calls += 1
         mean, integer, make, what, signature, probe = ready
         if self._trace:
             self._trace_fold(what, 1)
-        total = self._probe.sum_ready(probe, what, signature, float(value))
+        total = self._guard(self._probe.sum_ready, probe, what, signature, float(value),
+                            Deadline.after(self._fold_timeout))   # (a timeout breaks it)
         if mean:
             total = math.trunc(total / self.size) if integer else total / self.size
         if integer:  # an exact integer: a SUM beyond the dtype wraps, as MPI's does
@@ -176,7 +178,7 @@ class SmallReductions:
                 return None
             what = ALL_REDUCE_WHAT[exact]
             signature = signature_of([array])
-            probe = self._probe.ready(what, signature)
+            probe = self._probe.ready(what, signature, self._fold_timeout is not None)
             float_mean = exact is ReduceOp.MEAN and array.dtype.kind == "f"
             # made once per op, dtype and shape: the probe's payload and sums as arrays of
             # the shape, and the float MEAN's divisor (fold_result's arithmetic: divided in
@@ -193,7 +195,8 @@ class SmallReductions:
         if self._trace:
             self._trace_fold(what, array.size)
         np.copyto(payload, array)
-        self._probe.exchange(probe, what, signature)
+        self._guard(self._probe.exchange, probe, what, signature,
+                    Deadline.after(self._fold_timeout))
         if divisor is not None:
             mean = sums / divisor
             return mean if array.dtype == _FLOAT64 else mean.astype(array.dtype)
@@ -214,28 +217,29 @@ class SmallReductions:
             if ready is None and self._folds_plain and 0 < count <= PAYLOAD_SLOTS:
                 signature = signature_of([np.zeros(count)])
                 self._flag_probes[count] = (signature, self._probe.ready(
-                    ALL_REDUCE_WHAT[ReduceOp.SUM], signature))
+                    ALL_REDUCE_WHAT[ReduceOp.SUM], signature, self._fold_timeout is not None))
             return self.all_reduce(np.array(flags, np.float64), ReduceOp.SUM)
         self._calls += 1
         signature, probe = ready
         if self._trace:
             self._trace_fold(ALL_REDUCE_WHAT[ReduceOp.SUM], count)
-        return self._probe.sum_values(probe, ALL_REDUCE_WHAT[ReduceOp.SUM], signature, flags)
+        return self._guard(self._probe.sum_values, probe, ALL_REDUCE_WHAT[ReduceOp.SUM],
+                           signature, flags, Deadline.after(self._fold_timeout))
 
     # -- the validated small SUM: the probe carries the values (validation.Probe) --------
     def _folds(self, options: Optional[CommunicationOptions] = None) -> bool:
         """Whether a small float64 SUM/MEAN rides with the validation probe: validated,
-        several ranks, no deadline, not deterministic (all part of what ranks agree on)."""
-        if not self.validate or not self._untimed_ordinary():
+        several ranks, not deterministic (all part of what ranks agree on). With a deadline
+        the probe is timed, and its hash says so, as the long path's does: a timed rank
+        never meets an untimed one unnoticed."""
+        if not self.validate or not self._ordinary():
             return False
-        return options is None or not (options.deterministic or
-                                       options.timeout_seconds is not None)
+        return options is None or not options.deterministic
 
-    def _untimed_ordinary(self) -> bool:
-        """Several ranks, no engine deadline, no reproducible sums: what both one-collective
-        small paths (``_folds``, ``_unvalidated_plain``) need of the engine."""
-        return self.size > 1 and not (self.deterministic or self.options.deterministic) and \
-            self.options.timeout_seconds is None and self.default_timeout is None
+    def _ordinary(self) -> bool:
+        """Several ranks, no reproducible sums: what both one-collective small paths
+        (``_folds``, ``_unvalidated_plain``) need of the engine."""
+        return self.size > 1 and not (self.deterministic or self.options.deterministic)
 
     def _unvalidated_plain(self) -> bool:
         """Whether ``_reduce_unvalidated`` and ``_small_unvalidated`` may take a scalar, a
@@ -245,21 +249,23 @@ class SmallReductions:
         for one value) and no ring threshold at or below their bytes (read once, as
         ``_folds`` is)."""
         ring_from = algorithms.RING_THRESHOLD_BYTES
-        return not self.validate and self._untimed_ordinary() and \
+        return not self.validate and self._ordinary() and self._fold_timeout is None and \
             getattr(self.options, "algorithm", "auto") == "auto" and \
             not 0 <= ring_from <= 8 * PAYLOAD_SLOTS
 
-    def _trace_fold(self, what: str, elements: int, kind: str = "numpy") -> None:
-        log.debug("#%d %s: 1 tensors, %d elements, timeout=None", self._calls, what, elements)
+    def _trace_fold(self, what: str, elements: int, kind: str = "numpy", timeout=None) -> None:
+        log.debug("#%d %s: 1 tensors, %d elements, timeout=%s", self._calls, what, elements,
+                  self._fold_timeout if timeout is None else timeout)
         log.debug("#%d %s: 1 %s tensors via %s (inside the validation probe)", self._calls, what,
                   kind, HostMPI.name)
 
-    def _fold_small(self, op: ReduceOp, array, signature: tuple):
-        _, _, deadline = self._prologue("all_reduce", None)
+    def _fold_small(self, op: ReduceOp, array, signature: tuple,
+                    options: Optional[CommunicationOptions] = None):
+        _, timeout, deadline = self._prologue("all_reduce", options)
         if self._trace:
-            self._trace_fold(ALL_REDUCE_WHAT[op], array.size, array_kind(array))
+            self._trace_fold(ALL_REDUCE_WHAT[op], array.size, array_kind(array), timeout)
         host = array if type(array) is np.ndarray else to_host(array)
-        sums = self._probe.sum_with(ALL_REDUCE_WHAT[op], signature, deadline, host)
+        sums = self._guard(self._probe.sum_with, ALL_REDUCE_WHAT[op], signature, deadline, host)
         out = fold_result(sums.reshape(host.shape).copy(), op, self.size, host.dtype)
         if timeline.ON:
             self._backend_name = "validation-probe"

@@ -200,34 +200,41 @@ class Probe:
             _raise_mismatch(self.comm, what, signature, deadline is not None)
         return self.recv_values[:count]
 
-    def ready(self, what: str, signature: Signature) -> Tuple[array, array]:
-        """A probe of ``what`` and ``signature`` (untimed) to pass to ``sum_ready``, and the
-        hash slots every rank expects back."""
-        template, expected = _template(what, signature, False, self.size)
+    def ready(self, what: str, signature: Signature, timed: bool = False) -> Tuple[array, array]:
+        """A probe of ``what`` and ``signature`` to pass to ``sum_ready``, and the hash slots
+        every rank expects back; ``timed``: it will be waited for with a deadline (the hash
+        says so, as the long path's does)."""
+        template, expected = _template(what, signature, timed, self.size)
         return array("d", template), expected
 
     def sum_values(self, ready: Tuple[array, array], what: str, signature: Signature,
-                   values: Sequence[float]) -> array:
+                   values: Sequence[float], deadline: Optional[Deadline] = None) -> array:
         """``sum_ready`` for a few values (at most ``PAYLOAD_SLOTS``): their sums (a copy)."""
         send, _ = ready
         for index, value in enumerate(values):
             send[index] = value
-        return self.exchange(ready, what, signature)[:len(values)]
+        return self.exchange(ready, what, signature, deadline)[:len(values)]
 
     def sum_ready(self, ready: Tuple[array, array], what: str, signature: Signature,
-                  value: float) -> float:
+                  value: float, deadline: Optional[Deadline] = None) -> float:
         """The SUM over ranks of one float in a ``ready`` probe, validated (one collective)."""
         ready[0][0] = value
-        return self.exchange(ready, what, signature)[0]
+        return self.exchange(ready, what, signature, deadline)[0]
 
-    def exchange(self, ready: Tuple[array, array], what: str, signature: Signature) -> array:
-        """One untimed ``Iallreduce`` of a ``ready`` probe; the received probe, its hash
-        slots checked (a mismatch raises on every rank, naming what each rank called)."""
+    def exchange(self, ready: Tuple[array, array], what: str, signature: Signature,
+                 deadline: Optional[Deadline] = None) -> array:
+        """One ``Iallreduce`` of a ``ready`` probe (waited for within ``deadline``, made
+        ``timed`` then); the received probe, its hash slots checked (a mismatch raises on
+        every rank, naming what each rank called)."""
         send, expected = ready
         recv = self.recv
-        self.comm.Iallreduce(send, recv, MPI.SUM).Wait()
+        request = self.comm.Iallreduce(send, recv, MPI.SUM)
+        if deadline is None:
+            request.Wait()
+        else:
+            wait_all([request], deadline, f"{what} (validation)")
         if recv[PAYLOAD_SLOTS:] != expected:
-            _raise_mismatch(self.comm, what, signature, False)
+            _raise_mismatch(self.comm, what, signature, deadline is not None)
         return recv
 
 

@@ -176,13 +176,18 @@ def test_broadcast_gives_everyone_root_values(world, arrays):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.numpy_only("joins the validation probe by hand, with raw MPI requests")
-def test_late_rank_makes_the_waiting_rank_time_out_then_engine_refuses(world):
+@pytest.mark.parametrize("value", [1.0, np.ones(4), np.ones(11)],
+                         ids=["a loss in the probe", "a small array in the probe", "the long path"])
+def test_late_rank_makes_the_waiting_rank_time_out_then_engine_refuses(world, value):
+    """A timed engine's probe (which carries a loss or a small array, or validates the long
+    path) gives up on a rank that does not come, names the rank and refuses what follows."""
     comm = world.new_comm("timeout-test")
     engine = CollectiveEngine(comm, ms.CommunicationOptions(timeout_seconds=0.3))
     if world.rank == 0:
         start = time.monotonic()
-        with pytest.raises(ms.errors.DeadlineExceededError, match="rank 0") as info:
-            engine.all_reduce(np.ones(4), "SUM")
+        with pytest.raises(ms.errors.DeadlineExceededError, match="rank 0.*validation|"
+                           "validation.*rank 0") as info:
+            engine.all_reduce(value, "SUM")
         assert time.monotonic() - start < 5
         with pytest.raises(ms.errors.AbortedError, match="timed out"):
             engine.all_reduce(np.ones(4), "SUM")
@@ -192,6 +197,7 @@ def test_late_rank_makes_the_waiting_rank_time_out_then_engine_refuses(world):
         # Join only the step rank 0 gave up in: the validation probe.
         from mpistrat.collectives.deadline import Deadline
         from mpistrat.collectives.validation import agree
-        agree(comm, "all_reduce SUM", ((np.ones(4).dtype.str, (4,)),), Deadline.after(60))
+        shape = np.shape(value)
+        agree(comm, "all_reduce SUM", ((np.dtype(np.float64).str, shape),), Deadline.after(60))
     comm.Barrier()
     comm.Free()

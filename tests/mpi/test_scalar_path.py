@@ -10,6 +10,7 @@ import pytest
 
 import mpistrat as ms
 from mpistrat.collectives import CollectiveEngine, algorithms
+from mpistrat.collectives.validation import PAYLOAD_SLOTS
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.runtime import timeline
 
@@ -22,6 +23,15 @@ def _value(dtype, rank):
     if np.dtype(dtype).kind == "f":
         return dtype(0.25 * (rank + 1) + 3.0)   # dyadic: every sum exact in float64
     return dtype(2 * rank + 3 if np.dtype(dtype).kind == "u" else -(2 * rank + 3))
+
+
+def _long_path(engine, value, op):
+    """``value``'s all-reduce by the long path: padded past what the probe holds (11
+    values), reduced element-wise, cut back to its shape."""
+    value = np.asarray(value)
+    padded = np.zeros(PAYLOAD_SLOTS + 1, value.dtype)
+    padded[:value.size] = value.reshape(-1)
+    return engine.all_reduce(padded, op)[:value.size].reshape(value.shape)
 
 
 def _expected(dtype, op, values):
@@ -54,8 +64,7 @@ def test_numpy_scalars_keep_their_type_and_value(world, op, dtype):
 def test_integer_sums_beyond_the_dtype_wrap_as_the_long_path(world, value):
     strategy = ms.MultiWorkerMirroredStrategy()
     fast = strategy.reduce("SUM", value, axis=None)
-    timed = ms.CommunicationOptions(timeout_seconds=60.0)   # never folds: the long path
-    long = strategy.extended.engine.all_reduce(value, "SUM", timed)[()]
+    long = _long_path(strategy.extended.engine, value, "SUM")[()]
     assert type(fast) is type(value) and fast == long
     bits = 8 * value.dtype.itemsize          # MPI's integer SUM wraps modulo 2**bits
     wrapped = (int(value) * world.size) % (1 << bits)
@@ -144,13 +153,13 @@ def test_count_ranks_is_the_float64_sum_of_the_flags(world):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_small_arrays_ride_in_the_probe_with_the_long_paths_values(world, op, dtype):
     """A NumPy array of at most 10 values: the same values, dtype and shape as the long path
-    (a timed call never folds) and a new array each time (the probe's buffers are reused)."""
+    (padded past the probe) and a new array each time (the probe's buffers are reused)."""
     strategy = ms.MultiWorkerMirroredStrategy()
     engine = strategy.extended.engine
     mine = np.array([[_value(dtype, world.rank + k) for k in range(3)] for _ in range(2)],
                     dtype=dtype)
     fast = strategy.reduce(op, mine, axis=None)
-    long = engine.all_reduce(mine, op, ms.CommunicationOptions(timeout_seconds=60.0))
+    long = _long_path(engine, mine, op)
     assert fast.dtype == dtype and fast.shape == (2, 3)
     np.testing.assert_array_equal(fast, long)
     columns = [[_value(dtype, r + k) for r in range(world.size)] for k in range(3)]
@@ -165,8 +174,7 @@ def test_small_arrays_ride_in_the_probe_with_the_long_paths_values(world, op, dt
 @pytest.mark.parametrize("shape", [(8,), (2, 3), (1,)])
 def test_small_array_means_are_the_long_path_bits_and_new_arrays(world, dtype, shape):
     """A small array's SUM and MEAN through the probe: summed exactly in float64, a MEAN
-    divided there, rounded once into the dtype (integers: the timed long path's bits,
-    which never folds); each result is an array of its own, which the next call does not
+    divided there, rounded once into the dtype (integers: the long path's bits); each result is an array of its own, which the next call does not
     overwrite."""
     strategy = ms.MultiWorkerMirroredStrategy()
     rng = np.random.default_rng(world.rank)
@@ -174,7 +182,6 @@ def test_small_array_means_are_the_long_path_bits_and_new_arrays(world, dtype, s
     if dtype is np.float64:   # MPI sums float64 in float64: dyadic values, exact in any order
         value = rng.integers(-400, 400, shape) / 4.0
     everyone = np.stack(world.comm.allgather(value)).reshape(world.size, -1)
-    timed = ms.CommunicationOptions(timeout_seconds=60.0)
     for op in ("MEAN", "SUM"):
         got = strategy.reduce(op, value, axis=None)
         assert got.dtype == np.dtype(dtype) and got.shape == shape
@@ -182,7 +189,7 @@ def test_small_array_means_are_the_long_path_bits_and_new_arrays(world, dtype, s
             exact = np.array([math.fsum(float(v) for v in column) for column in everyone.T])
             want = (exact / world.size if op == "MEAN" else exact).astype(dtype)
         else:
-            want = strategy.extended.engine.all_reduce(value, op, timed)
+            want = _long_path(strategy.extended.engine, value, op)
         np.testing.assert_array_equal(got.reshape(-1).view(np.uint8),
                                       want.reshape(-1).view(np.uint8))
         kept = got.copy()
@@ -217,6 +224,37 @@ def test_jax_losses_take_the_hot_path_and_keep_their_device_and_commitment(world
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("kind", [float, np.float32, np.int32, np.float16])
+def test_a_collective_timeout_keeps_losses_small_arrays_and_flags_in_the_probe(world,
+                                                                                monkeypatch, kind):
+    """With a collective timeout a loss, a small array and the flags still ride in the probe,
+    one collective waited for within the timeout (its hash says it is timed): the long path's
+    values, meeting ranks on the long path, and a clear error where only one rank is timed."""
+    monkeypatch.setenv("MPISTRAT_COLLECTIVE_TIMEOUT", "60")
+    engine = CollectiveEngine(world.comm)
+    value = kind(0.5 * world.rank + 3) if kind is float or np.dtype(kind).kind == "f" \
+        else kind(world.rank + 3)
+    want = _long_path(engine, value, "MEAN")[()]
+    fast = engine.reduce_scalar("MEAN", value)
+    assert (fast is not None) == (world.size > 1), fast
+    if world.size == 1:
+        return
+    assert type(fast) is (np.float64 if kind is float else kind) and fast == want, (fast, want)
+    mixed = engine.reduce_scalar("MEAN", value) if world.rank == 0 else \
+        engine.all_reduce(np.asarray(value), "MEAN")[()]
+    assert mixed == want
+    small = np.full((2, 3), value)
+    np.testing.assert_array_equal(engine.reduce_scalar("SUM", small),
+                                  _long_path(engine, small, "SUM"))
+    assert list(engine.count_ranks([world.rank == 0, True])) == [1.0, world.size]
+    monkeypatch.delenv("MPISTRAT_COLLECTIVE_TIMEOUT")
+    untimed = CollectiveEngine(world.comm)
+    with pytest.raises(InvalidArgumentError, match="only rank 0 set a collective timeout"):
+        (engine if world.rank == 0 else untimed).reduce_scalar("MEAN", value)
+    assert engine.reduce_scalar("MEAN", value) == want   # still usable
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("op", ["SUM", "MEAN", "MAX", "MIN"])
 @pytest.mark.parametrize("kind", [float, np.float64, np.float32, np.int32, np.uint8,
                                   np.float16])
@@ -230,8 +268,10 @@ def test_validation_off_scalars_take_the_long_paths_call_and_values(world, monke
         else kind(world.rank + 3)
     want = engine.all_reduce(np.array([value]), op)[0]      # the long path
     fast = engine.reduce_scalar(op, value)
+    narrow = kind is not float and np.dtype(kind).kind in "iu" and np.dtype(kind).itemsize < 4
     takes = world.size > 1 and kind is not np.float16 and not (
-        op == "MEAN" and np.dtype(kind).kind in "iu")      # (whose wire is another dtype)
+        op == "MEAN" and np.dtype(kind).kind in "iu") and not (
+        op == "SUM" and narrow)                            # (whose wire is another dtype)
     assert (fast is not None) == takes, fast
     if takes:
         assert type(fast) is (np.float64 if kind is float else kind)

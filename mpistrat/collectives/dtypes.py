@@ -6,7 +6,8 @@ MPI reduces only its own types. Everything else is decided here, in one place:
   bfloat16 and every ``ml_dtypes`` float8/float6/float4 type combine in float32
   and are rounded once, at the end; integer ``MEAN`` sums in 64 bits (so 200 + 200
   + 200 in uint8 averages to 200, not to a wrapped 88 / 3); ``ml_dtypes`` small
-  integers (int4, int2, ...) combine in int64; bool travels as bytes (``MIN``/``MAX``
+  integers (int4, int2, ...) combine in int64; 8- and 16-bit integer ``SUM`` in 32 bits
+  (Open MPI's vectorised SUM saturates them); bool travels as bytes (``MIN``/``MAX``
   only); a non-native byte order travels native. The result always comes back in
   the input's dtype: integer ``MEAN`` truncates toward zero (TensorFlow's ``Div``),
   integer ``SUM`` wraps as NumPy's arithmetic in that dtype does.
@@ -20,12 +21,13 @@ MPI reduces only its own types. Everything else is decided here, in one place:
 
     >>> import numpy as np, ml_dtypes
     >>> from mpistrat.collectives.dtypes import accumulator, refusal, dtype_code
-    >>> from mpistrat.collectives.buffer_pool import default_pool
-from mpistrat.collectives.reduce_op import ReduceOp
+    >>> from mpistrat.collectives.reduce_op import ReduceOp
     >>> accumulator(np.dtype(ml_dtypes.bfloat16), ReduceOp.SUM)
     dtype('float32')
     >>> accumulator(np.dtype(np.uint8), ReduceOp.MEAN)
     dtype('uint64')
+    >>> accumulator(np.dtype(np.int16), ReduceOp.SUM)
+    dtype('int32')
     >>> refusal(np.dtype(np.complex64), ReduceOp.MAX)[:40]
     'ReduceOp.MAX has no order for complex va'
     >>> dtype_code(np.dtype(ml_dtypes.float8_e4m3fn))
@@ -116,6 +118,11 @@ def accumulator(dtype: np.dtype, op: Optional[ReduceOp]) -> np.dtype:
         return np.dtype(np.uint64 if dtype.name.startswith("u") else np.int64)
     if op is ReduceOp.MEAN and dtype.kind in "iu" and dtype.itemsize < 8:
         return np.dtype(np.int64 if dtype.kind == "i" else np.uint64)
+    if op is ReduceOp.SUM and dtype.kind in "iu" and dtype.itemsize < 4:
+        # Open MPI 4.1's vectorised SUM (op/avx) saturates 8- and 16-bit integers from 8
+        # values up (open-mpi/ompi#8045, wontfix) while shorter ones wrap: 32 bits wrap
+        # everywhere, and their low bits are the wrapped sum in the dtype
+        return np.dtype(np.int32 if dtype.kind == "i" else np.uint32)
     if not dtype.isnative:
         return dtype.newbyteorder("=")
     return dtype

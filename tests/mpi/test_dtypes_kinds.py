@@ -419,3 +419,35 @@ def test_device_backend_logic_keeps_dtypes_with_numpy_for_device_memory(world):
             same_bits(got[0], expected(op.name, n, ml_dtypes.bfloat16), HOST)
         if op is ReduceOp.MEAN:
             assert [g[1].tolist() for g in (host, staged, aware)] == [[200] * 5] * 3
+
+
+# -- 5. 8- and 16-bit integer sums wrap as NumPy's do, whatever the length ---------------
+
+NARROW_INTS = [np.int8, np.int16, np.uint8, np.uint16]
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.numpy_only("compares with NumPy's own wrapped sums and MPI's raw call")
+@pytest.mark.parametrize("dtype", NARROW_INTS, ids=[np.dtype(d).name for d in NARROW_INTS])
+@pytest.mark.parametrize("count", [3, 8, 11, 64, 100_003])
+def test_narrow_integer_sums_wrap_at_every_length_and_path(world, strategy, dtype, count):
+    """Open MPI 4.1's vectorised SUM saturates 8- and 16-bit integers from 8 values up
+    (open-mpi/ompi#8045) while shorter arrays wrap: our SUM wraps at every length, on the
+    single-tensor, fused, in-place and ring paths, as NumPy's sum in the dtype does."""
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(count + world.rank)
+    mine = rng.integers(info.max - 20 if info.min == 0 else info.min, info.max, count,
+                        endpoint=True).astype(dtype)
+    every = world.comm.allgather(mine)
+    want = every[0].copy()
+    for other in every[1:]:
+        want += other                      # NumPy's arithmetic in the dtype: it wraps
+    engine = strategy.extended.engine
+    results = {"one tensor": engine.all_reduce(mine, "SUM"),
+               "fused": engine.all_reduce([mine, np.ones(5, np.float32)], "SUM")[0],
+               "ring": engine.all_reduce(mine, "SUM", ms.CommunicationOptions(algorithm="ring"))}
+    into = mine.copy()
+    results["in place"] = engine.all_reduce([into], "SUM", out=[into])[0]
+    for path, got in results.items():
+        assert got.dtype == np.dtype(dtype), path
+        np.testing.assert_array_equal(got, want, err_msg=path)

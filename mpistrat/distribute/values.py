@@ -7,7 +7,7 @@ replica id (``rank * local_replicas + local_index``), and so is the repr::
     >>> from mpistrat import PerReplica
     >>> PerReplica((np.float32(2.0),), replica_ids=(3,))
     PerReplica:{
-      3: 2.0
+      3: np.float32(2.0)
     }
 """
 

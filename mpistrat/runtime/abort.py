@@ -6,7 +6,7 @@ import, unless ``MPISTRAT_ABORT_ON_ERROR=0``) that print the traceback tagged
 with the rank, then call ``MPI_Abort`` so that ``mpirun`` ends every rank::
 
     >>> from mpistrat.runtime import install_abort_hook
-    >>> install_abort_hook()   # idempotent; mpistrat calls it on import
+    >>> hooked = install_abort_hook()   # idempotent; mpistrat calls it on import
 """
 
 import sys

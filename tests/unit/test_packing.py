@@ -32,7 +32,10 @@ def test_wire_dtypes_of_types_mpi_lacks_and_of_integer_means():
         assert wire_dtype(np.dtype(low), ReduceOp.SUM) == np.float32
     assert wire_dtype(np.dtype(np.uint8), ReduceOp.MEAN) == np.uint64
     assert wire_dtype(np.dtype(np.int16), ReduceOp.MEAN) == np.int64
-    assert wire_dtype(np.dtype(np.int16), ReduceOp.SUM) == np.int16
+    assert wire_dtype(np.dtype(np.int16), ReduceOp.SUM) == np.int32   # (Open MPI's op/avx
+    assert wire_dtype(np.dtype(np.uint8), ReduceOp.SUM) == np.uint32  # saturates them)
+    assert wire_dtype(np.dtype(np.int32), ReduceOp.SUM) == np.int32
+    assert wire_dtype(np.dtype(np.int16), ReduceOp.MAX) == np.int16
     assert wire_dtype(np.dtype(">f8"), ReduceOp.SUM) == np.dtype("<f8")
     plan = FusedPlan([(np.dtype(ml_dtypes.bfloat16), (4,)), (np.dtype(np.float32), (4,))],
                      4 << 20, ReduceOp.MEAN)

@@ -265,32 +265,29 @@ def _play_moves(comm, compiled, src, out, op, deadline, what) -> None:
             combine((src if how == FRESH else out)[c:d], incoming, out=out[c:d])
 
 
-def _ring_allreduce(comm, send, recv, op, deadline):
-    """Reduce-scatter, then all-gather around the ring (``schedules.ring_allreduce_steps``:
-    this rank's chunk complete, then every chunk everywhere), compiled once per size."""
+def _schedule_allreduce(algorithm, comm, send, recv, op, deadline):
+    """All-reduce by one of ``_STEPS``' schedules, compiled once per size (``_compiled``)."""
     src, out = send.reshape(-1), recv.reshape(-1)
     size = comm.Get_size()
     if size == 1:
         if src is not out:
             out[:] = src
         return
-    compiled = _compiled("ring", comm.Get_rank(), size, src.size,
+    compiled = _compiled(algorithm, comm.Get_rank(), size, src.size,
                          not np.may_share_memory(src, out))
-    _play_moves(comm, compiled, src, out, op, deadline, f"ring all_reduce {op.name}")
+    _play_moves(comm, compiled, src, out, op, deadline, f"{algorithm} all_reduce {op.name}")
+
+
+def _ring_allreduce(comm, send, recv, op, deadline):
+    """Reduce-scatter, then all-gather around the ring (``schedules.ring_allreduce_steps``:
+    this rank's chunk complete, then every chunk everywhere)."""
+    _schedule_allreduce("ring", comm, send, recv, op, deadline)
 
 
 def _rabenseifner_allreduce(comm, send, recv, op, deadline):
     """Recursive halving reduce-scatter, then recursive doubling all-gather (``2 log2 n``
     rounds instead of the ring's ``2 (n-1)``, the same bytes)."""
-    src, out = send.reshape(-1), recv.reshape(-1)
-    size = comm.Get_size()
-    if size == 1:
-        if src is not out:
-            out[:] = src
-        return
-    compiled = _compiled("rabenseifner", comm.Get_rank(), size, src.size,
-                         not np.may_share_memory(src, out))
-    _play_moves(comm, compiled, src, out, op, deadline, f"rabenseifner all_reduce {op.name}")
+    _schedule_allreduce("rabenseifner", comm, send, recv, op, deadline)
 
 
 def ring_reduce_scatter(comm: MPI.Comm, src: np.ndarray, out: np.ndarray,

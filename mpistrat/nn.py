@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from mpistrat.collectives import ReduceOp
+from mpistrat.collectives import ReduceOp, host_callbacks
 from mpistrat.distribute.context import get_strategy, has_strategy, in_cross_replica_context
 from mpistrat.errors import InvalidArgumentError
 from mpistrat.runtime.devices import array_kind
@@ -160,7 +160,8 @@ class _Aggregation:
     def host(self, *leaves):
         """All-reduce host copies of the leaves; results in the leaves' own dtypes."""
         arrays = [np.asarray(leaf) for leaf in leaves]
-        out = self.engine.all_reduce(arrays, self.op, self.options)
+        with host_callbacks.running():
+            out = self.engine.all_reduce(arrays, self.op, self.options)
         return tuple(np.asarray(r, dtype=a.dtype).reshape(a.shape) for r, a in zip(out, arrays))
 
     def __call__(self, updates):
@@ -170,6 +171,7 @@ class _Aggregation:
             return updates
         if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):  # inside jit or grad
             from jax.experimental import io_callback
+            host_callbacks.traced()   # the program's own collectives now wait for these
             shapes = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves)
             reduced = io_callback(self.host, shapes, *leaves, ordered=True)
         else:

@@ -45,7 +45,8 @@ class Launched:
 def launch(tmp_path):
     """Run ``scripts/mpirun -n N python SCRIPT`` and return a ``Launched``."""
 
-    def run(nprocs: int, script: str, *args: str, limit: int = 120, env=None) -> Launched:
+    def run(nprocs: int, script: str, *args: str, limit: int = 120, env=None,
+            mpirun_args=()) -> Launched:
         path = tmp_path / "job.py"
         path.write_text(PRELUDE + script)
         # Drop the variables of this process's own (singleton) MPI run, so the
@@ -56,7 +57,7 @@ def launch(tmp_path):
         full_env.pop("MPISTRAT_COLLECTIVE_TIMEOUT", None)
         full_env.update(env or {})
         start = time.monotonic()
-        done = subprocess.run([str(MPIRUN), "--limit", str(limit), "-n", str(nprocs),
+        done = subprocess.run([str(MPIRUN), "--limit", str(limit), *mpirun_args, "-n", str(nprocs),
                                sys.executable, str(path), *args], cwd=tmp_path, env=full_env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         return Launched(done.returncode, done.stdout, time.monotonic() - start)

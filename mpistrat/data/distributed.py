@@ -27,7 +27,11 @@ sequence of global batches an uninterrupted run would have seen: at any width
 under ``DATA`` (OFF: at a global batch boundary; FILE and
 ``distribute_datasets_from_function``: at the same width, else a ``ValueError``
 naming the policy). Random-access pipelines seek (the cost does not depend on
-the position); others replay the steps before it, with a warning.
+the position); others replay the steps before it, with a warning. The state also
+carries the pipeline's fingerprint (``fingerprint.py``: source rows, files, global
+batch, shuffle seeds, ordering operations): a restore into a pipeline that differs
+in any of them raises a ``ValueError`` naming what changed, on every rank, rather
+than skip or repeat rows.
 
 With several replicas per rank (``TPUStrategy``: one per JAX device) the rank is
 the unit of sharding and its batch is cut into equal per-device pieces; static
@@ -49,6 +53,7 @@ from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.data import layouts, ops, shuffles
 from mpistrat.data.dataset import Dataset, TensorSpec
 from mpistrat.data.experimental import Optional as OptionalValue
+from mpistrat.data.fingerprint import changed_parts, pipeline_parts
 from mpistrat.data.options import AutoShardPolicy
 from mpistrat.data.permutation import derive_key
 from mpistrat.data.readers import view_of
@@ -117,6 +122,7 @@ class DistributedIterator:
         self._steps = 0
         self._local = None          # opened at the first step (a restore may move it first)
         self._template = None       # the last batch seen: the model for 0-row batches
+        self._parts = None          # the pipeline's fingerprint (_fingerprint)
 
     # -- the stream of this rank's steps ---------------------------------------------------
     def _iteration(self) -> ops.Iteration:
@@ -222,14 +228,34 @@ class DistributedIterator:
         return regroup(element, None, self._replica_ids)
 
     # -- the checkpoint state protocol -------------------------------------------------------
+    def _fingerprint(self) -> dict:
+        """This pipeline's ``fingerprint.pipeline_parts``, made once (the pipeline is fixed)."""
+        if self._parts is None:
+            node = _node_of(self._layout)
+            self._parts = pipeline_parts(node) if node is not None else {}
+        return self._parts
+
     def _serialize_to_tensors(self):
-        return {"epoch": np.array(self._epoch, np.int64), "steps": np.array(self._steps, np.int64),
-                "seed": np.array(self._seed, np.int64),
-                "replicas": np.array(self._engine.size, np.int64),
-                "policy": np.array(POLICY_CODES[self._layout.policy], np.int64)}
+        state = {"epoch": np.array(self._epoch, np.int64),
+                 "steps": np.array(self._steps, np.int64),
+                 "seed": np.array(self._seed, np.int64),
+                 "replicas": np.array(self._engine.size, np.int64),
+                 "policy": np.array(POLICY_CODES[self._layout.policy], np.int64)}
+        for part, value in self._fingerprint().items():
+            state[f"pipeline_{part}"] = np.array(value, np.int64)
+        return state
 
     def _restore_from_tensors(self, tensors):
         steps = int(tensors["steps"])
+        saved_parts = {key[len("pipeline_"):]: int(value) for key, value in tensors.items()
+                       if key.startswith("pipeline_")}   # (none in checkpoints before them)
+        changes = changed_parts(saved_parts, self._fingerprint())
+        if changes:
+            raise ValueError(
+                f"cannot resume this dataset iterator: its pipeline differs from the one whose "
+                f"position was saved, in {'; '.join(changes)}. Resuming would skip or repeat "
+                f"rows. Build the pipeline as it was when saved, or restore without the "
+                f"iterator (leave it out of the Checkpoint) to start its input afresh")
         if "epoch" in tensors:        # (older checkpoints hold the step count alone)
             saved = {code: name for name, code in POLICY_CODES.items()}.get(
                 int(tensors["policy"]), str(int(tensors["policy"])))
@@ -258,16 +284,20 @@ def _policy_text(policy: str) -> str:
         f"AutoShardPolicy.{policy}"
 
 
+def _node_of(layout) -> Optional[ops.Node]:
+    """The root of the pipeline a layout reads (this rank's, for per-rank datasets)."""
+    return getattr(layout, "node", None) or getattr(getattr(layout, "dataset", None), "_node",
+                                                    None)
+
+
 def _blocker_of(layout) -> str:
-    node = getattr(layout, "node", None) or getattr(getattr(layout, "dataset", None), "_node",
-                                                     None)
+    node = _node_of(layout)
     return (node.blocker() if node is not None else None) or "per-rank datasets"
 
 
 def seeds_for(layout, base: int) -> dict:
     """A seed for each unseeded shuffle of the pipeline, derived from the agreed ``base``."""
-    node = getattr(layout, "node", None) or getattr(getattr(layout, "dataset", None), "_node",
-                                                     None)
+    node = _node_of(layout)
     if node is None:
         return {}
     randoms = [n for n in ops.walk(node) if isinstance(n, shuffles.Random) and n.seed is None]

@@ -182,6 +182,81 @@ def test_resume_at_a_step_continues_the_same_sequence(strategy, world, shared_di
         nest.map_structure(np.testing.assert_array_equal, a, b)
 
 
+def _grow_first_file(world, paths, directory):
+    """10 more records at the end of the first file (a file that grew between two jobs)."""
+    if world.rank == 0:
+        extra = np.arange(1000, 1010, dtype=np.int32)
+        with open(paths[0], "ab") as f:
+            np.stack([extra, extra, extra, extra], axis=1).tofile(f)
+    world.comm.Barrier()
+    return paths
+
+
+def _add_a_file(world, paths, directory):
+    """A fifth file in the list (same total rows would not hide it: the files are named)."""
+    extra = os.path.join(directory, "part-extra.bin")
+    if world.rank == 0:
+        np.zeros((3, 4), np.int32).tofile(extra)
+    world.comm.Barrier()
+    return paths + [extra]
+
+
+# (what changes between the saved job and the resumed one, the pipeline then, the words named)
+CHANGED = {
+    "batch size": (lambda w, p, d: p, lambda r: r.global_shuffle(seed=3).batch(8),
+                   "the global batch size (9 when saved, 8 now)"),
+    "seed": (lambda w, p, d: p, lambda r: r.global_shuffle(seed=4).batch(9), "the seed of a shuffle"),
+    "grown file": (_grow_first_file, lambda r: r.global_shuffle(seed=3).batch(9),
+                   "the rows of its sources (148 when saved, 158 now)"),
+    "added file": (_add_a_file, lambda r: r.global_shuffle(seed=3).batch(9),
+                   "the files it reads (names or sizes)"),
+    "take": (lambda w, p, d: p, lambda r: r.global_shuffle(seed=3).take(100).batch(9),
+             "its operations"),
+}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("change", sorted(CHANGED))
+def test_a_resume_into_a_changed_pipeline_is_refused_on_every_rank(strategy, world, shared_dir,
+                                                                   change):
+    """A position means the same rows only in the same pipeline: before the fingerprint, another
+    batch size lost 60 of 200 rows and another seed gave 42 rows twice, silently."""
+    paths = records(world, shared_dir)
+    iterator = iter(strategy.experimental_distribute_dataset(
+        reader(paths).global_shuffle(seed=3).batch(9)))
+    for _ in range(5):
+        next(iterator)
+    path = ms.Checkpoint(iterator=iterator).save(os.path.join(shared_dir, "pos"))
+    alter, pipeline, words = CHANGED[change]
+    changed = iter(strategy.experimental_distribute_dataset(
+        pipeline(reader(alter(world, paths, shared_dir)))))
+    with pytest.raises(ValueError, match="cannot resume this dataset iterator") as caught:
+        ms.Checkpoint(iterator=changed).restore(path)
+    assert words in str(caught.value)
+    assert next(changed) is not None   # the refused iterator was left at its start
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_resume_with_another_map_and_prefetch_continues_the_same_rows(strategy, world,
+                                                                         shared_dir):
+    """What changes no row's place (the map function, prefetch) does not block a resume."""
+    paths = records(world, shared_dir)
+    first = iter(strategy.experimental_distribute_dataset(
+        reader(paths).global_shuffle(seed=3).map(decode, vectorized=True).batch(9)))
+    for _ in range(5):
+        next(first)
+    path = ms.Checkpoint(iterator=first).save(os.path.join(shared_dir, "pos"))
+    rest = [_local(b)["number"] for b in first]
+    resumed = iter(strategy.experimental_distribute_dataset(
+        reader(paths).global_shuffle(seed=3).map(lambda rows: rows[:, 0].astype(np.int64),
+                                                  vectorized=True).batch(9).prefetch(2)))
+    ms.Checkpoint(iterator=resumed).restore(path).assert_consumed()
+    again = [_local(b) for b in resumed]
+    assert len(again) == len(rest)
+    for a, b in zip(again, rest):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.mpi(min_size=1)
 def test_end_of_data_is_an_empty_optional_on_every_rank(strategy, world):
     distributed = strategy.experimental_distribute_dataset(

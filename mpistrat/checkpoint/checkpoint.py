@@ -49,7 +49,8 @@ from mpistrat.checkpoint.directory import (io_engine, latest_checkpoint, prepare
 from mpistrat.checkpoint.frameworks import install_build_hook
 from mpistrat.checkpoint.files import data_file, local_view, missing_hint
 from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots
-from mpistrat.checkpoint.matching import check_compatible as _check_compatible, read_batches
+from mpistrat.checkpoint.matching import (agree_plan, check_compatible as _check_compatible,
+                                          read_batches)
 from mpistrat.checkpoint.h5read import Reader, read_catalog, read_entry, read_values
 from mpistrat.checkpoint.h5write import write_file
 from mpistrat.checkpoint.same_path import agree_view_at
@@ -291,8 +292,7 @@ class Checkpoint:
         catalog = read_catalog(final, engine)
         slots = collect_slots(self._named(), self._assign)
         wanted = {name: catalog[name] for name in sorted(set(slots) & set(catalog))}
-        for name, entry in wanted.items():
-            _check_compatible(slots[name], entry, name, final)
+        agree_plan(engine, slots, wanted, final)   # every rank raises, or none
         matched = set()
         with timeline.span("checkpoint restore", "checkpoint", file=os.path.basename(final),
                            nbytes=sum(e.nbytes for e in wanted.values())), \

@@ -2,7 +2,9 @@
 
 ``check_compatible`` compares a value (or a catalog entry, before reading) with its slot:
 the same shape and dtype for arrays and variables, a scalar of the right kind for numbers,
-else ``ValueError`` naming the object path. ``read_batches`` groups the paths of a restore
+else ``ValueError`` naming the object path. ``agree_plan`` runs those checks on every rank
+and agrees them, with the set of values to read, before a collective read: a mismatch on
+one rank raises on every rank instead of leaving the others in the read. ``read_batches`` groups the paths of a restore
 into batches of about 64 MiB, so a restore holds little beyond the state itself.
 
     >>> import numpy as np
@@ -15,13 +17,15 @@ into batches of about 64 MiB, so a restore holds little beyond the state itself.
     ValueError: cannot restore 'w' from f.h5: the checkpoint holds float64[4], the object is float64[3]
 """
 
-from typing import List
+from typing import Callable, Dict, List
 
 import numpy as np
 
 from mpistrat.checkpoint.graph import Slot
+from mpistrat.collectives.agreement import Failure, agree_errors, rank_list, views_differ
+from mpistrat.collectives.objects import allgather_object
 
-__all__ = ["check_compatible", "read_batches"]
+__all__ = ["check_compatible", "read_batches", "agree_plan"]
 
 _BATCH_BYTES = 64 << 20
 
@@ -60,3 +64,29 @@ def check_compatible(slot: Slot, value, path: str, source: str) -> None:
             raise ValueError(f"cannot restore {path!r} from {source}: the checkpoint holds "
                              f"{value.dtype}{list(value.shape)}, the object is a {slot.kind} "
                              f"number")
+
+
+def agree_plan(engine, slots: Dict[str, Slot], wanted: Dict[str, object], source: str,
+               check: Callable = check_compatible) -> None:
+    """Check each wanted value against its slot, then agree (collective): a mismatch on any
+    rank, or ranks that would read different values, raise ``ValueError`` on every rank,
+    naming the rank and the object paths, before anything is read."""
+    failure = None
+    for path, entry in sorted(wanted.items()):
+        try:
+            check(slots[path], entry, path, source)
+        except ValueError as err:
+            failure = Failure(err, engine.rank)
+            break
+    agree_errors(engine, failure, f"restoring {source}",
+                 hint="every rank must build the same objects before restoring")
+    paths = sorted(wanted)
+    if not views_differ(engine, paths):
+        return
+    everyone = allgather_object(engine, paths, f"the values to restore from {source}")
+    common = set.intersection(*map(set, everyone))
+    differences = [f"{rank_list([rank])} also restores {sorted(set(mine) - common)[:5]}"
+                   for rank, mine in enumerate(everyone) if set(mine) != common]
+    raise ValueError(f"restoring {source} failed: the ranks' objects differ, so they would read "
+                     f"different values: {'; '.join(differences)}; every rank must build the "
+                     f"same objects before restoring")

@@ -34,6 +34,7 @@ from mpi4py import MPI
 
 from mpistrat.checkpoint.files import state_name
 from mpistrat.checkpoint.graph import collect_slots
+from mpistrat.checkpoint.matching import agree_plan
 from mpistrat.checkpoint.state_file import read_state
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.collectives.deadline import wait_all
@@ -304,10 +305,9 @@ def restore_tensorflow(checkpoint, prefix: str, engine, check):
     values = open_values(prefix, engine)
     slots = collect_slots(checkpoint._named(), checkpoint._assign)
     found = values.match(slots)
-    for path, target in sorted(found.items()):
-        check(slots[path], values.entry(target), path, prefix)
-    matched = set()
     wanted = {p: values.entry(t) for p, t in found.items()}
+    agree_plan(engine, slots, wanted, prefix, check)   # every rank raises, or none
+    matched = set()
     with timeline.span("checkpoint restore", "checkpoint", file=os.path.basename(prefix),
                        nbytes=sum(e.size for e in wanted.values())):
         for batch in read_collective(wanted, engine):

@@ -23,7 +23,8 @@ from mpistrat.collectives.engine import CollectiveEngine
 from mpistrat.collectives.objects import allgather_object
 from mpistrat.errors import DataLossError, NotFoundError
 
-__all__ = ["Failure", "agree_errors", "agree_view", "describe_views", "rank_list"]
+__all__ = ["Failure", "agree_errors", "agree_view", "describe_views", "rank_list",
+           "views_differ"]
 
 
 class Failure:
@@ -106,13 +107,19 @@ def _errno_hint(code: int) -> str:
     return ""
 
 
-def agree_view(engine: CollectiveEngine, view: Any, what: str, error=NotFoundError,
-               hint: str = "put checkpoints on a file system that every rank shares") -> Any:
-    """The view every rank has of something (collective); ranks that differ raise together."""
+def views_differ(engine: CollectiveEngine, view: Any) -> bool:
+    """Whether any two ranks hold different ``view``s (one all-reduce of a digest of its
+    ``repr``; collective, within the collective timeout)."""
     digest = int.from_bytes(hashlib.blake2b(repr(view).encode(), digest_size=8).digest(),
                             "little") >> 2
     low_high = engine.all_reduce(np.array([digest, -digest], dtype=np.int64), "MAX")
-    if low_high[0] == -low_high[1]:  # max == min: every rank saw the same
+    return low_high[0] != -low_high[1]   # max != min
+
+
+def agree_view(engine: CollectiveEngine, view: Any, what: str, error=NotFoundError,
+               hint: str = "put checkpoints on a file system that every rank shares") -> Any:
+    """The view every rank has of something (collective); ranks that differ raise together."""
+    if not views_differ(engine, view):
         return view
     views = allgather_object(engine, view, what)
     if any(v != views[0] for v in views[1:]):

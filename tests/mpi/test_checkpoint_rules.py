@@ -243,3 +243,50 @@ def test_a_planted_symlink_never_makes_a_save_write_outside(world, shared_dir, t
             create_exclusive(planted)  # how every file of ours is created
         assert open(outside, "rb").read() == b"precious"
         os.remove(outside)
+
+
+# -- a restore agrees its plan across ranks (issue 33): a rank-local mismatch raises everywhere --
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("how", ["shape", "dtype", "extra object"])
+def test_a_mismatch_on_one_rank_raises_on_every_rank(world, shared_dir, how):
+    """Before, the last rank raised and the others waited forever in the collective read."""
+    saved = {"w": np.arange(12.0), "b": np.arange(3.0)}
+    path = ms.Checkpoint(model=saved).save(shared_dir + "/ckpt")
+    odd = world.rank == world.size - 1
+    target = {"w": np.zeros(12), "b": np.zeros(3)}
+    if odd and how == "shape":
+        target["w"] = np.zeros(13)
+    elif odd and how == "dtype":
+        target["w"] = np.zeros(12, np.float32)
+    checkpoint = ms.Checkpoint(model=target)
+    if how == "extra object":
+        checkpoint.extra = {"v": np.zeros(2)} if odd else {}
+        ms.Checkpoint(model=saved, extra={"v": np.ones(2)}).write(shared_dir + "/with-extra")
+        path = shared_dir + "/with-extra"
+    with pytest.raises(ValueError) as info:
+        checkpoint.restore(path)
+    text = str(info.value)
+    assert f"rank {world.size - 1}" in text, text
+    assert ("'model/w'" in text) if how != "extra object" else ("extra/v" in text), text
+    assert not target["w"].any() and not target["b"].any()   # nothing was read into any rank
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_tensorflow_restore_with_a_mismatch_on_one_rank_raises_on_every_rank(world):
+    from pathlib import Path
+    data = Path(__file__).resolve().parent.parent / "data" / "tf"
+
+    class Dense:
+        def __init__(self, units):
+            self.kernel = ms.Variable(np.zeros((3, units), np.float32))
+            self.bias = ms.Variable(np.zeros(4, np.float32))
+
+    class Net:
+        pass
+    net = Net()
+    net.dense = Dense(5 if world.rank == world.size - 1 else 4)
+    with pytest.raises(ValueError) as info:
+        ms.Checkpoint(model=net).restore(str(data / "module/ckpt-1"))
+    text = str(info.value)
+    assert f"rank {world.size - 1}" in text and "'model/dense/kernel'" in text, text
+    assert not net.dense.bias.numpy().any()

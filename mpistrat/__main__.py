@@ -248,7 +248,12 @@ def tune(argv) -> int:
         sys.stdout.write("one rank: nothing to tune (run it under mpirun with the job's "
                          "layout)\n")
         return 0
-    table = calibration.tune(comm, path, args.budget)
+    try:
+        table = calibration.tune(comm, path, args.budget)
+    except OSError as err:   # (raised on every rank: the file could not be written)
+        if comm.Get_rank() == 0:
+            sys.stderr.write(f"python -m mpistrat tune: {err}\n")
+        return 1
     if comm.Get_rank() == 0:
         sys.stdout.write("\n".join(render_tuning(
             {"source": table.source, "entries": table.rows()})).lstrip("\n") + "\n")

@@ -148,8 +148,8 @@ def _decide(comm) -> Dict:
                 decision["table"] = tuning.load_table(path, key)
             except FileNotFoundError:
                 pass
-            except (OSError, tuning.TuningFileError) as err:
-                decision["warning"] = f"ignoring tuning file: {err}"
+            except Exception as err:  # noqa: BLE001 - a hostile file: rank 0 still broadcasts
+                decision["warning"] = f"ignoring tuning file: {type(err).__name__}: {err}"
     return comm.bcast(decision, root=0)
 
 
@@ -190,27 +190,31 @@ def _settle(comm, decision: Dict):
     return table
 
 
-def _write(comm, path: str, table: tuning.TuningTable) -> None:
+def _write(comm, path: str, table: tuning.TuningTable) -> Optional[str]:
+    """Rank 0 writes ``table`` to ``path``; every rank returns the problem (a warning), or
+    ``None`` when it was written."""
     problem = None
     if comm.Get_rank() == 0:
         try:
             tuning.save_table(path, table)
-        except OSError as err:
+        except (OSError, tuning.TuningFileError) as err:
             problem = f"could not write the tuning file {path}: {err}"
     problem = comm.bcast(problem, root=0)
     if problem:
         warnings.warn(f"rank {comm.Get_rank()}: {problem}", stacklevel=4)
     else:
         table.source += f", written to {path}"
+    return problem
 
 
 def tune(comm, path: Optional[str], budget: Optional[float] = None) -> tuning.TuningTable:
     """Calibrate ``comm`` afresh (collective) and, with ``path``, write the table there
     (``python -m mpistrat tune``); the table is used by ``comm`` from now on."""
     table = calibrate(comm, budget=budget)
-    if path is not None:
-        _write(comm, path, table)
+    problem = _write(comm, path, table) if path is not None else None
     comm.Set_attr(_KEYVAL, table)
+    if problem:   # (on every rank: the command fails rather than exit 0 with no file)
+        raise OSError(problem)
     return table
 
 

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import platform
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -170,6 +171,8 @@ def parse_file(text: str, key: Mapping, path: str = "<tuning file>") -> TuningTa
         doc = json.loads(text)
     except ValueError as err:
         raise TuningFileError(f"{path}: corrupt (not JSON: {err})") from None
+    except RecursionError:   # (a file of nested brackets)
+        raise TuningFileError(f"{path}: corrupt (nested too deeply)") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise TuningFileError(f"{path}: corrupt (not an {FORMAT} document)")
     if doc.get("version") != VERSION:
@@ -225,14 +228,23 @@ def _entry(entry: Dict, number: int, path: str) -> TuningTable:
                        float(seconds) if type(seconds) in (int, float) else 0.0)
 
 
+def _read_regular(path: str) -> bytes:
+    """The bytes of ``path`` if it is a regular file of at most ``MAX_FILE_BYTES``; opened
+    without blocking (a FIFO never holds the job), checked on the open file (``fstat``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise TuningFileError(f"{path}: not a regular file (a tuning file is a JSON file)")
+        if info.st_size > MAX_FILE_BYTES:
+            raise TuningFileError(f"{path}: corrupt ({info.st_size} bytes; a tuning file is at "
+                                  f"most {MAX_FILE_BYTES})")
+        return f.read(MAX_FILE_BYTES + 1)
+
+
 def load_table(path: str, key: Mapping) -> TuningTable:
     """Read and validate the table for ``key`` from ``path`` (``TuningFileError``/``OSError``)."""
-    size = os.path.getsize(path)
-    if size > MAX_FILE_BYTES:
-        raise TuningFileError(f"{path}: corrupt ({size} bytes; a tuning file is at most "
-                              f"{MAX_FILE_BYTES})")
-    with open(path, "rb") as f:
-        raw = f.read(MAX_FILE_BYTES + 1)
+    raw = _read_regular(path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -240,19 +252,34 @@ def load_table(path: str, key: Mapping) -> TuningTable:
     return parse_file(text, key, path)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save_table(path: str, table: TuningTable) -> None:
     """Write ``table`` into ``path``, keeping the file's valid tables of other keys; the
     file is replaced atomically (a reader sees the old or the new one)."""
     others: Sequence[Dict] = []
+    mode = 0o666 & ~_umask()
     try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read(MAX_FILE_BYTES + 1).decode("utf-8"))
+        info = os.lstat(path)
+    except FileNotFoundError:
+        info = None
+    if info is not None and not stat.S_ISREG(info.st_mode):
+        raise TuningFileError(f"{path}: not a regular file; the tuning file is not written "
+                              f"over it (name a file in a directory)")
+    if info is not None:
+        mode = stat.S_IMODE(info.st_mode)   # the file keeps its mode (a shared 0644 file)
+    try:
+        doc = json.loads(_read_regular(path).decode("utf-8"))
         if isinstance(doc, dict) and doc.get("format") == FORMAT and \
                 doc.get("version") == VERSION and doc.get("buckets") == list(BUCKETS) and \
                 isinstance(doc.get("tables"), list):
             others = [t for t in doc["tables"] if isinstance(t, dict) and
                       isinstance(t.get("key"), dict) and t["key"] != table.key]
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):   # (TuningFileError is a ValueError)
         pass
     doc = {"format": FORMAT, "version": VERSION, "buckets": list(BUCKETS),
            "tables": list(others) + [table.to_json()]}
@@ -262,6 +289,7 @@ def save_table(path: str, table: TuningTable) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
+            os.fchmod(f.fileno(), mode)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -87,3 +87,16 @@ def test_jax_paths_on_gpus_without_cupy_say_what_copies():
     assert main.jax_paths_told_truly([row], "gpu", cupy=True)[0]["why"] == row["why"]
     other = dict(row, kind="cupy")
     assert main.jax_paths_told_truly([other], "cpu", False) == [other]
+
+
+TUNE = "import sys, runpy\nsys.argv = ['mpistrat', 'tune'] + sys.argv[1:]\n" \
+       "runpy.run_module('mpistrat', run_name='__main__')\n"
+
+
+def test_tune_into_a_missing_directory_fails_naming_it(launch, tmp_path):
+    """Before, the command warned and exited 0 with no file written."""
+    target = tmp_path / "missing" / "tuning.json"
+    result = launch(2, TUNE, "--output", str(target), "--budget", "0.3", limit=120)
+    assert result.returncode != 0, result
+    assert f"could not write the tuning file {target}" in result.output, result
+    assert not target.exists()

@@ -2,6 +2,7 @@
 the same sums whichever algorithm the table forces."""
 
 import os
+import stat
 
 import numpy as np
 import pytest
@@ -82,6 +83,54 @@ def test_a_corrupt_or_foreign_file_is_ignored_with_a_warning_and_replaced(comm, 
         # the calibration replaced it with a valid table for this key
         assert tuning.load_table(shared_path, table.key).choices == table.choices
         comm.Barrier()   # every rank has read it before rank 0 writes the next text
+
+
+def _make_special(path, kind):
+    """A FIFO (mkfifo), a character device like /dev/null (mknod), 200 KB of '[', or a
+    shared 0644 tuning file."""
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))   # /dev/null's numbers
+    elif kind == "brackets":
+        with open(path, "w") as f:
+            f.write("[" * 200_000)
+    else:
+        with open(path, "w") as f:
+            f.write("{corrupt")
+        os.chmod(path, 0o644)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "brackets", "shared 0644"])
+def test_a_hostile_tuning_path_neither_hangs_nor_is_replaced(comm, shared_path, monkeypatch, kind):
+    """Before: a FIFO held rank 0 forever, nested brackets raised RecursionError on rank 0 while
+    the others waited, a device node was replaced by a regular file, a 0644 file became 0600."""
+    if comm.Get_size() == 1:
+        pytest.skip("one rank: nothing to tune")
+    if kind == "device" and os.geteuid() != 0:
+        pytest.skip("mknod of a character device needs root")
+    monkeypatch.setenv("MPISTRAT_TUNING_FILE", shared_path)
+    monkeypatch.setenv("MPISTRAT_TUNING_BUDGET", "0.3")
+    if comm.Get_rank() == 0:
+        _make_special(shared_path, kind)
+    comm.Barrier()
+    calibration.forget(comm)
+    with pytest.warns(UserWarning) as caught:
+        table = calibration.table_for(comm)    # within pytest's timeout: no hang
+    assert table is not None and table.source.startswith("calibrated")
+    texts = " ".join(str(w.message) for w in caught)
+    comm.Barrier()
+    info = os.lstat(shared_path)
+    if kind in ("fifo", "device"):   # left as it was, and the warning says why
+        assert "not a regular file" in texts, texts
+        assert stat.S_ISFIFO(info.st_mode) if kind == "fifo" else stat.S_ISCHR(info.st_mode)
+    else:
+        assert "ignoring tuning file" in texts, texts
+        assert stat.S_ISREG(info.st_mode)
+        if kind == "shared 0644":
+            assert stat.S_IMODE(info.st_mode) == 0o644
+        assert tuning.load_table(shared_path, table.key).choices == table.choices
+    comm.Barrier()
 
 
 def test_the_second_run_uses_the_cached_table_without_calibrating(comm, shared_path,

@@ -103,11 +103,38 @@ class _Spec:
                 raise InvalidArgumentError(f"feature {name!r}: shape {list(self.shape)} must "
                                            f"be fully defined")
             if feature.default_value is not None:
-                default = np.asarray(feature.default_value, dtype=self.numpy)
-                if default.size == math.prod(self.shape):
-                    default = default.reshape(self.shape)
-                self.default = self._piece(np.broadcast_to(default, self.shape).reshape(-1))
+                self.default = self._piece(self._default(feature.default_value))
         self.size = math.prod(self.shape)
+
+    def _default(self, value) -> np.ndarray:
+        """``default_value`` as the feature's values, flat: strings as UTF-8 bytes (as
+        TensorFlow gives them), one value or exactly the shape's count, else an error
+        naming the feature (here, when the features are given, not mid-epoch)."""
+        if self.dtype == "string":
+            value = np.asarray(value, dtype=object)
+            flat = [v.encode("utf-8") if isinstance(v, str) else v for v in value.reshape(-1)]
+            if not all(isinstance(v, (bytes, np.bytes_)) for v in flat):
+                raise InvalidArgumentError(
+                    f"feature {self.name!r}: default_value {value.tolist()!r} is not strings "
+                    f"or bytes")
+            default = np.empty(len(flat), dtype=object)
+            default[:] = [bytes(v) for v in flat]
+            default = default.reshape(value.shape)
+        else:
+            try:
+                default = np.asarray(value, dtype=self.numpy)
+            except (TypeError, ValueError) as err:
+                raise InvalidArgumentError(f"feature {self.name!r}: default_value {value!r} "
+                                           f"is not {self.dtype}: {err}") from None
+        size = math.prod(self.shape)
+        if default.size == size:
+            return default.reshape(-1)
+        if default.size == 1:
+            return np.broadcast_to(default.reshape(()), self.shape).reshape(-1)
+        raise InvalidArgumentError(
+            f"feature {self.name!r}: default_value of shape {list(default.shape)} "
+            f"({default.size} values) does not fit the feature's shape {list(self.shape)} "
+            f"({size} values): give one value or {size}")
 
     def _piece(self, values: np.ndarray):
         """A default as gathered: float32 as little-endian bytes (joined into one array at

@@ -223,6 +223,27 @@ def test_example_errors_name_the_feature():
     assert defaulted["v"].values.shape == (0,) and defaulted["v"].dense_shape.tolist() == [0]
 
 
+def test_defaults_as_tensorflow_takes_them_and_bad_ones_refused_up_front():
+    """A str default crashed with TypeError only once a record lacked the feature (a job died
+    mid-epoch; TensorFlow gives b"unknown"); a default of the wrong size was a bare broadcast
+    error. Both now: the value as TensorFlow gives it, or an error naming the feature before
+    any record is parsed."""
+    has, lacks = ms.io.serialize_example({"label": [b"cat"]}), ms.io.serialize_example({"n": [1]})
+    spec = {"label": ms.io.FixedLenFeature([], "string", default_value="unknown"),
+            "pair": ms.io.FixedLenFeature([2], "string", default_value=["é", b"b"])}
+    got = ms.io.parse_example([has, lacks], spec)
+    assert got["label"].tolist() == [b"cat", b"unknown"]
+    assert got["pair"].tolist() == [["é".encode(), b"b"]] * 2
+    for feature, words in [(ms.io.FixedLenFeature([3], "float32", default_value=[1.0, 2.0]),
+                            r"'x': default_value of shape \[2\].*shape \[3\]"),
+                           (ms.io.FixedLenFeature([], "string", default_value=5),
+                            "'x': default_value 5 is not strings"),
+                           (ms.io.FixedLenFeature([], "int64", default_value="many"),
+                            "'x': default_value 'many' is not int64")]:
+        with pytest.raises(InvalidArgumentError, match=words):
+            ms.io.parse_example([has], {"x": feature})   # (the record has no 'x' at all)
+
+
 def test_float_lists_with_extra_fields_parse_element_by_element():
     from mpistrat.tfformats.wire import varint
     floats = np.array([1.5, -2.0], "<f4").tobytes()

@@ -33,6 +33,7 @@ import atexit
 import errno
 import math
 import os
+import secrets
 import selectors
 import socket
 import sys
@@ -44,7 +45,8 @@ from typing import Dict, List, Optional
 from mpi4py import MPI
 
 from mpistrat.runtime import settings, wait_sites
-from mpistrat.runtime.peer_links import Link, local_addresses, tune
+from mpistrat.runtime.peer_links import (Link, accept_ranks, dial, listen, local_addresses,
+                                         tune, valid_message)
 
 __all__ = ["HealthCheck", "start", "current", "announce_abort", "EXIT_CODE"]
 
@@ -89,57 +91,36 @@ class HealthCheck:
 
     # -- start (collective) ------------------------------------------------------------
     def connect(self, comm: MPI.Comm) -> Optional[str]:
-        """Open the links; an error text (the check then stays off everywhere), or ``None``."""
-        listener = None
+        """Open the links; an error text (the check then stays off everywhere), or ``None``.
+        Rank 0 listens only on the addresses it offers; the offer and a random token go to
+        the ranks over MPI, and only a connection that says the token joins
+        (``peer_links.accept_ranks``)."""
+        listeners = []
         try:
             if self.rank == 0:
-                listener = socket.create_server(("0.0.0.0", 0), backlog=self.size)
                 forced = settings.get("MPISTRAT_COORDINATOR_HOST")
-                offer = ([forced] if forced else []) + local_addresses()
-                comm.bcast((offer, listener.getsockname()[1]), root=0)
-                return self._accept(listener)
-            offer, port = comm.bcast(None, root=0)
-            if self.peers[self.rank][0] == self.peers[0][0]:
-                offer = ["127.0.0.1"] + offer
-            return self._dial(offer, port)
+                listeners = listen(([forced] if forced else []) + local_addresses(),
+                                   self.size + 64)   # (room beside connections of others)
+                token = secrets.token_hex(16)
+                comm.bcast((token, [(address, port) for _, address, port in listeners]), root=0)
+                links, error = accept_ranks([sock for sock, _, _ in listeners], token,
+                                            self.size, CONNECT_SECONDS)
+                for link in links.values():
+                    self._add(link)
+                return error
+            token, offer = comm.bcast(None, root=0)
+            if self.peers[self.rank][0] == self.peers[0][0]:   # rank 0's host: loopback first
+                offer = sorted(offer, key=lambda pair: not pair[0].startswith("127."))
+            link, tried = dial(offer, token, self.rank)
+            if link is None:
+                return f"rank {self.rank} could not reach rank 0 at {tried}"
+            self._add(link)
+            return None
         except OSError as err:
             return f"rank {self.rank}: {err}"
         finally:
-            if listener is not None:
-                listener.close()
-
-    def _accept(self, listener: socket.socket) -> Optional[str]:
-        deadline = time.monotonic() + CONNECT_SECONDS
-        while len(self._links) < self.size - 1:
-            listener.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                sock, _ = listener.accept()
-            except socket.timeout:
-                missing = sorted(set(range(1, self.size)) - set(self._links))
-                return f"rank 0 heard nothing from ranks {missing} within {CONNECT_SECONDS:g} s"
-            sock.settimeout(CONNECT_SECONDS)
-            link, messages = Link(sock, -1), []
-            while not messages:   # the hello: which rank this is
-                messages = link.receive()
-                if messages is None:
-                    return "a rank closed its connection to rank 0 before saying which it is"
-            link.rank = int(messages[0]["rank"])
-            self._add(link)
-        return None
-
-    def _dial(self, offer: List[str], port: int) -> Optional[str]:
-        tried = []
-        for address in dict.fromkeys(offer):
-            try:
-                sock = socket.create_connection((address, port), timeout=3.0)
-            except OSError as err:
-                tried.append(f"{address}:{port} ({err})")
-                continue
-            link = Link(sock, 0)
-            link.send({"t": "hello", "rank": self.rank})
-            self._add(link)
-            return None
-        return f"rank {self.rank} could not reach rank 0 at " + ", ".join(tried)
+            for sock, _, _ in listeners:
+                sock.close()
 
     def _add(self, link: Link) -> None:
         tune(link.sock, self.timeout)
@@ -173,6 +154,10 @@ class HealthCheck:
         if messages is None:
             return self._lost(link, None)
         for message in messages:
+            if not valid_message(message):   # (an authenticated rank never sends one)
+                warnings.warn(f"mpistrat health check: rank {self.rank} ignored a malformed "
+                              f"message from rank {link.rank}", stacklevel=2)
+                continue
             kind = message.get("t")
             if kind == "leave":        # a rank leaves normally (to rank 0)
                 link.left = True

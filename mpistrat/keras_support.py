@@ -30,8 +30,14 @@ What changes for a compiled model (instance attributes; the Keras classes are un
   would (batch inference at N ranks costs about 1/N of the forward passes). Other inputs
   (generators, ``ms`` datasets) are predicted whole on every rank.
 
-Not done: non-trainable variables (BatchNormalization statistics) stay per rank; metrics
-whose state is not a sum (e.g. ``max``) are wrong; ``validation_split`` is refused. An ``ms``
+* Weights: a compile inside the scope gives every rank rank 0's values of the model's
+  variables (or ``fit`` does, when the model is built only then), so ranks never train
+  apart from different initial values, seeded or not (``mirror_weights``).
+* Float non-trainable state (BatchNormalization's moving statistics) is averaged over the
+  ranks that had rows at each step (the mean TensorFlow reads and saves of its per-replica
+  copies), so it is the same on every rank and a checkpoint takes it.
+
+Not done: metrics whose state is not a sum (e.g. ``max``) are wrong; ``validation_split`` is refused. An ``ms``
 distributed dataset (``strategy.experimental_distribute_dataset``) is iterated afresh each
 epoch as it is (it already gives each rank its share and stops on the same step everywhere);
 Python generators and other inputs are passed to Keras unchanged and must do the same.
@@ -43,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["distribute_model", "install", "on_scope"]
+__all__ = ["distribute_model", "install", "mirror_weights", "on_scope"]
 
 _INSTALLED = False
 
@@ -166,6 +172,21 @@ def _is_arrays(x) -> bool:
         "jax") for leaf in leaves)
 
 
+def _floating(value) -> bool:
+    return np.issubdtype(np.dtype(value.dtype), np.floating)
+
+
+def mirror_weights(model: Any, strategy: Any) -> None:
+    """Give every rank rank 0's values of ``model``'s variables (collective), as variables
+    created in a TensorFlow strategy's scope start from one replica's initial values."""
+    variables = list(model.variables)
+    if not variables or strategy.num_replicas_in_sync == 1:
+        return
+    values = strategy.extended.engine.broadcast([np.asarray(v.value) for v in variables], 0)
+    for variable, value in zip(variables, values):
+        variable.assign(value)
+
+
 def distribute_model(model: Any, strategy: Any) -> Any:
     """Make ``model`` (compiled, Keras 3 on JAX) train and evaluate data parallel under
     ``strategy``; done by ``compile`` inside ``strategy.scope()``. Returns ``model``::
@@ -220,7 +241,16 @@ def distribute_model(model: Any, strategy: Any) -> Any:
         weighted = jax.tree_util.tree_map(
             lambda g: jnp.where(present, g * weight.astype(g.dtype), jnp.zeros_like(g)), grads)
         deltas = summed_deltas(metrics_vars, new_metrics, present)
-        weighted, total_rows, deltas = reduce_sum((weighted, weight, deltas))
+        # float state (BatchNormalization's moving statistics): the mean over the ranks
+        # with rows, the value TensorFlow reads and saves of its per-replica copies
+        # (ON_READ, MEAN); so every rank holds the same state and a checkpoint takes it
+        floats = [jnp.where(present, v, jnp.zeros_like(v)) if _floating(v) else None
+                  for v in non_trainable]
+        weighted, total_rows, deltas, floats, holders = reduce_sum(
+            (weighted, weight, deltas, floats, jnp.asarray(float(present), jnp.float32)))
+        non_trainable = [v if f is None else jnp.where(
+            holders > 0, f / jnp.maximum(holders, 1.0).astype(f.dtype), v)
+            for v, f in zip(non_trainable, floats)]
         grads = jax.tree_util.tree_map(
             lambda g: g / jnp.maximum(total_rows, 1.0).astype(g.dtype), weighted)
         trainable, optimizer_vars = model.optimizer.stateless_apply(optimizer_vars, grads,
@@ -267,6 +297,8 @@ def distribute_model(model: Any, strategy: Any) -> Any:
             validation_data = share(vx, vy, vw, vbatch, False)[0]
             kwargs.pop("validation_batch_size", None)
         x, y, sample_weight, batch_size = share(x, y, sample_weight, batch_size, shuffle)
+        if not getattr(model, "_mpistrat_mirrored", False):   # (unbuilt at compile)
+            callbacks = [_Mirror(model, strategy)] + list(callbacks or [])
         return cls.fit(model, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                        callbacks=callbacks, validation_data=validation_data, shuffle=False,
                        class_weight=class_weight, sample_weight=sample_weight, **kwargs)
@@ -302,8 +334,27 @@ def distribute_model(model: Any, strategy: Any) -> Any:
         object.__setattr__(model, name, fn)
     model.train_function = model.test_function = None
     model._mpistrat_strategy = strategy
+    if model.built:   # weights made in the scope start alike on every rank (rank 0's)
+        mirror_weights(model, strategy)
+        model._mpistrat_mirrored = True
     del keras
     return model
+
+
+class _Mirror:
+    """A Keras callback: rank 0's weights on every rank when ``fit`` starts (the model is
+    built by then), for a model that was not built when it was compiled."""
+
+    def __new__(cls, model, strategy):
+        import keras
+
+        class Mirror(keras.callbacks.Callback):
+            def on_train_begin(self, logs=None):
+                if not getattr(model, "_mpistrat_mirrored", False):
+                    mirror_weights(model, strategy)
+                    model._mpistrat_mirrored = True
+
+        return Mirror()
 
 
 def _register() -> None:

@@ -189,3 +189,62 @@ def test_fit_on_a_distributed_dataset_matches_arrays(world):
     logs = model.evaluate(dataset, verbose=0, return_dict=True)
     want = single.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
     np.testing.assert_allclose(logs["loss"], want["loss"], rtol=1e-5)
+
+
+# -- weights made in the scope start alike; BatchNormalization's statistics stay alike ---------
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("built", [True, False], ids=["built-at-compile", "built-by-fit"])
+def test_weights_made_in_the_scope_start_from_rank_0s_values(world, built):
+    """Each rank draws other initial weights (as unseeded processes do); before, they stayed
+    apart through fit, silently. Now compile (or fit, for a model built only then) gives
+    every rank rank 0's values, as TensorFlow's scope does."""
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x, y = data()
+    keras.utils.set_random_seed(100 + world.rank)
+    with strategy.scope():
+        layers = [keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(2)]
+        model = keras.Sequential(([keras.Input((4,))] if built else []) + layers)
+        drawn = weights(model) if built else None
+        model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+    if built:
+        same_on_every_rank(strategy, weights(model))
+        rank0 = world.comm.bcast(drawn, root=0)
+        for got, want in zip(weights(model), rank0):
+            np.testing.assert_array_equal(got, want)
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    same_on_every_rank(strategy, weights(model))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_batch_norm_statistics_agree_after_fit_and_checkpoint(world, shared_dir):
+    """Before, each rank's moving statistics drifted apart and a save refused them ('values
+    differ between ranks: model/layer-1/moving_mean'). They are the mean over the ranks,
+    the value TensorFlow saves of its per-replica copies; at one rank, one process's."""
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x, y = data()
+
+    def bn_model():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6),
+                                  keras.layers.BatchNormalization(),
+                                  keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(1e-2), loss="mse")
+        return model
+
+    with strategy.scope():
+        model = bn_model()
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    same_on_every_rank(strategy, weights(model))
+    moving = [np.asarray(v.value) for v in model.non_trainable_weights]
+    assert moving and not np.allclose(moving[0], 0.0)      # the statistics did move
+    if world.size == 1:
+        single = bn_model()
+        single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        for got, want in zip(weights(model), weights(single)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    path = ms.Checkpoint(model=model).save(os.path.join(shared_dir, "bn"))
+    with strategy.scope():
+        fresh = bn_model()
+    ms.Checkpoint(model=fresh).restore(path).assert_consumed()
+    for got, want in zip(weights(fresh), weights(model)):
+        assert got.tobytes() == want.tobytes()

@@ -178,7 +178,22 @@ def read_index(prefix: str) -> BundleIndex:
         proto = messages.parse("BundleEntryProto", value, where)
         entry = _entry(key, proto, shards, sizes, where)
         entries[key] = entry
+    _check_claims(entries, {shards[k]: size for k, size in sizes.items()}, path)
     return BundleIndex(prefix, header.num_shards, entries)
+
+
+def _check_claims(entries: Dict[str, BundleEntry], sizes: Dict[str, int], path: str) -> None:
+    """TensorFlow stores each tensor once: the entries of a shard claim at most its bytes.
+    A crafted index whose entries all point at one block would make a restore read (and
+    check) that block once per entry: hours of work from a small file."""
+    claimed: Dict[str, int] = {}
+    for entry in entries.values():
+        claimed[entry.file] = claimed.get(entry.file, 0) + entry.size
+    for file, total in claimed.items():
+        if total > sizes[file]:
+            raise DataLossError(f"{path}: its entries claim {total} bytes of {file}, which "
+                                f"holds {sizes[file]}: they overlap, which TensorFlow never "
+                                f"writes")
 
 
 def _check_header(header, path: str) -> None:
@@ -218,6 +233,8 @@ def _entry(key: str, proto, shards: List[str], sizes: Dict[int, int],
     shape = tuple(int(d.size) for d in proto.shape.dim)
     if any(d < 0 for d in shape):
         raise DataLossError(f"{where}: invalid shape {list(shape)}")
+    if math.prod(max(d, 1) for d in shape) * dtype.itemsize >= 1 << 62:   # (even if empty)
+        raise DataLossError(f"{where}: shape {list(shape)} is too large for any array")
     if not 0 <= proto.shard_id < len(shards):
         raise DataLossError(f"{where}: shard {proto.shard_id} of a bundle of {len(shards)}")
     if proto.offset < 0 or proto.size < 0:

@@ -35,6 +35,8 @@ __all__ = ["GRAPH_KEY", "GraphValue", "ObjectGraph", "parse_graph", "build_graph
 GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VARIABLE_VALUE = "VARIABLE_VALUE"
 MAX_NODES = 10_000_000
+MAX_DEPTH = 1000                # object paths nest this deep at most (Keras: about 10)
+MAX_PATH_CHARS = 1 << 28        # the characters of all first paths together
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,29 @@ def parse_graph(data: bytes, where: str) -> ObjectGraph:
                 raise DataLossError(f"{where}: node {index} names slot nodes {ids} of a graph "
                                     f"of {count}")
             slots.append((index, ids[0], slot.slot_name, ids[1]))
+    _check_paths(children, where)
     return ObjectGraph(children, attributes, slots)
+
+
+def _check_paths(children: List[Dict[str, int]], where: str) -> None:
+    """Refuse a graph whose first paths would be too deep or too long to hold (a crafted
+    chain of 80,000 nodes spelled out every path: gigabytes, then a bare ``MemoryError``);
+    the lengths are counted before any path is made."""
+    depth, length = {0: 0}, {0: 0}
+    queue, total = deque([0]), 0
+    while queue:
+        node = queue.popleft()
+        for name, child in children[node].items():
+            if child in depth:
+                continue
+            depth[child], length[child] = depth[node] + 1, length[node] + 1 + len(name)
+            total += length[child]
+            if depth[child] > MAX_DEPTH or total > MAX_PATH_CHARS:
+                raise DataLossError(f"{where}: the object graph nests deeper than {MAX_DEPTH} "
+                                    f"levels or its paths exceed {MAX_PATH_CHARS} characters "
+                                    f"(node {child} at depth {depth[child]}): not a checkpoint "
+                                    f"TensorFlow writes")
+            queue.append(child)
 
 
 def escape_name(name: str) -> str:

@@ -119,8 +119,46 @@ def test_a_2gib_size_claimed_by_a_small_file(prefix):
 
 
 def test_a_size_that_does_not_fit_the_shape(prefix):
-    set_entry(prefix, KEY, shape={"dim": [{"size": 1 << 62}, {"size": 1 << 62}]})
+    set_entry(prefix, KEY, shape={"dim": [{"size": 3}, {"size": 5}]})
     refused(prefix, KEY, "needs")
+
+
+@pytest.mark.parametrize("dims", [[1 << 62, 1 << 62], [0, 1 << 62]])
+def test_a_shape_no_array_can_have_is_named(prefix, dims):
+    """[0, 2**62] holds no value and needs no byte, yet NumPy cannot make it: before, a bare
+    'array is too big' with nothing named."""
+    set_entry(prefix, KEY, shape={"dim": [{"size": d} for d in dims]}, size=0)
+    with pytest.raises(DataLossError, match="too large for any array") as info:
+        ms.train.load_checkpoint(prefix)
+    assert KEY in str(info.value) and "ckpt-1.index" in str(info.value)
+
+
+def test_entries_that_all_point_at_one_block_are_refused_before_any_read(prefix):
+    """A crafted index of many entries pointing at one block made a restore read it once per
+    entry (200,000 entries over 1 MiB: over an hour); the claims are checked against the
+    shard's size first."""
+    rows = dict(entries_of(prefix))
+    target = rows[KEY.encode()]
+    for k in range(2000):
+        rows[f"copy/{k:05d}/.ATTRIBUTES/VARIABLE_VALUE".encode()] = target
+    write_index_rows(prefix, sorted(rows.items()))
+    with pytest.raises(DataLossError, match="overlap") as info:
+        ms.train.load_checkpoint(prefix)
+    assert "ckpt-1.index" in str(info.value) and "claim" in str(info.value)
+
+
+def test_a_graph_chain_too_deep_to_spell_is_refused_small():
+    """An 80,000-node chain: every first path spelled out is gigabytes (a bare MemoryError
+    before); now a DataLossError naming the file, with little memory used."""
+    nodes = [{"children": [{"node_id": k + 1, "local_name": "n"}]} for k in range(79_999)]
+    data = messages.serialize("TrackableObjectGraph", {"nodes": nodes + [{}]})
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataLossError, match="crafted graph: the object graph nests deeper"):
+            object_graph.parse_graph(data, "crafted graph")
+        assert tracemalloc.get_traced_memory()[1] < 256 << 20
+    finally:
+        tracemalloc.stop()
 
 
 def test_bad_varints_in_an_entry(prefix):

@@ -33,7 +33,7 @@ from typing import Optional
 import numpy as np
 
 from mpistrat.io.safe_files import replace_atomically
-from mpistrat.tfformats.crc import crc32c
+from mpistrat.tfformats.crc import crc32c, masked_crc32c
 
 __all__ = ["index_path", "load_index", "save_index", "fingerprint"]
 
@@ -91,7 +91,33 @@ def load_index(path: str, compression: Optional[str], index_dir: Optional[str],
     if offsets[0] != 0 or (steps.size and steps.min() < _MIN_RECORD) or \
             (compression is None and offsets[-1] != size):
         return None
+    if compression is None and not _headers_agree(path, offsets):
+        return None    # (a cache of another file with this size and time: rebuilt)
     return offsets
+
+
+def _headers_agree(path: str, offsets: np.ndarray, samples: int = 64) -> bool:
+    """Whether the record headers at a spread of cached offsets (the first, the last and up
+    to ``samples`` between) are intact and give the lengths the offsets imply."""
+    count = len(offsets) - 1
+    picks = np.unique(np.linspace(0, count - 1, min(count, samples + 2)).astype(np.int64))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        for k in picks:
+            head = os.pread(fd, 12, int(offsets[k]))
+            if len(head) < 12:
+                return False
+            length, stored = struct.unpack("<QI", head)
+            if masked_crc32c(head[:8]) != stored or length + 16 != offsets[k + 1] - offsets[k]:
+                return False
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def save_index(path: str, compression: Optional[str], index_dir: Optional[str],

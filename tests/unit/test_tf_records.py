@@ -116,6 +116,24 @@ def test_the_index_is_rebuilt_when_the_file_changes(records, tmp_path):
     assert load_index(path, None, cache_dir) is None
 
 
+def test_a_cache_inconsistent_with_an_intact_file_is_rebuilt(tmp_path):
+    """A cache made for another file of the same size and modification time (copied data, a
+    restored backup) passed every check and its offsets were trusted: the intact file was
+    then refused as corrupt. The record headers at the cached offsets are now checked."""
+    a, b = str(tmp_path / "a.tfrecord"), str(tmp_path / "b.tfrecord")
+    open(a, "wb").write(frame(b"x" * 10) + frame(b"y" * 10))      # records end at 26, 52
+    open(b, "wb").write(frame(b"z" * 4) + frame(b"w" * 16))       # at 20, 52: same size
+    cache_dir = str(tmp_path / "indexes")
+    assert ms.data.TFRecordDataset(a, index_dir=cache_dir).num_rows == 2
+    info = os.stat(a)
+    os.utime(b, ns=(info.st_atime_ns, info.st_mtime_ns))
+    shutil.copyfile(index_path(a, cache_dir), index_path(b, cache_dir))
+    assert load_index(b, None, cache_dir) is None
+    dataset = ms.data.TFRecordDataset(b, index_dir=cache_dir)
+    assert [bytes(r) for r in dataset.read_rows(0, 2)] == [b"z" * 4, b"w" * 16]
+    assert load_index(b, None, cache_dir).tolist() == [0, 20, 52]   # rebuilt and saved
+
+
 def test_compressed_files_read_in_one_pass_and_by_range(records):
     path = str(records / "gzip-0.tfrecord.gz")
     everything = [bytes(r) for r in ms.data.TFRecordDataset(path, "GZIP")]

@@ -45,7 +45,7 @@ from mpi4py import MPI
 
 from mpistrat.checkpoint import writer
 from mpistrat.checkpoint.directory import (io_engine, latest_checkpoint, prepare_directory,
-                                           record_latest)
+                                           record_latest, restore_target)
 from mpistrat.checkpoint.frameworks import install_build_hook
 from mpistrat.checkpoint.files import data_file, local_view, missing_hint
 from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots
@@ -275,7 +275,7 @@ class Checkpoint:
         self.sync()
         writer.wait_idle()
         engine = io_engine()
-        path = os.fspath(save_path)
+        path = restore_target(os.fspath(save_path))
         tensorflow = is_bundle(path) and not os.path.exists(data_file(path))
         if agree_view_at(engine, path, tensorflow, f"{path}.index",  # TensorFlow's format?
                          f"restoring checkpoint {path}"):

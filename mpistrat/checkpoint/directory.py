@@ -27,12 +27,12 @@ from mpistrat.checkpoint.same_path import agree_view_at
 from mpistrat.checkpoint.state_file import STATE_FILE, CheckpointState, read_state, write_state
 from mpistrat.collectives import CollectiveEngine
 from mpistrat.collectives.agreement import Failure, agree_errors
-from mpistrat.errors import DataLossError
+from mpistrat.errors import DataLossError, NotFoundError
 from mpistrat.runtime import get_world
 from mpistrat.tfformats.bundle import is_bundle
 
 __all__ = ["io_engine", "prepare_directory", "read_kept", "record_latest", "agreed_state",
-           "latest_checkpoint"]
+           "latest_checkpoint", "restore_target"]
 
 _IO_ENGINE: list = []
 
@@ -129,3 +129,18 @@ def latest_checkpoint(checkpoint_dir: str, latest_filename: Optional[str] = None
     directory = os.fspath(checkpoint_dir)
     latest, _, _ = agreed_state(directory, io_engine())
     return os.path.join(directory, latest) if latest is not None else None
+
+
+def restore_target(path: str) -> str:
+    """The checkpoint a restore path names: a TensorFlow ``PREFIX.index`` names ``PREFIX``;
+    a directory names its latest checkpoint (collective: ``latest_checkpoint``), or none
+    (``NotFoundError``); any other path itself."""
+    if path.endswith(".index") and is_bundle(path[:-len(".index")]):
+        return path[:-len(".index")]
+    if os.path.isdir(path):
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise NotFoundError(f"no checkpoint in directory {path} (its state file "
+                                f"'checkpoint' names none)")
+        return latest
+    return path

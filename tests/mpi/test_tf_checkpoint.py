@@ -252,3 +252,31 @@ def test_convert_round_trip_at_every_width(world, shared_dir):
     status = ms.Checkpoint(optimizer={"_iterations": np.int64(0)}).restore(ours)
     assert "optimizer/_iterations" in status.matched
     assert convert([ours, back]) == 1  # exists: refused on every rank
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("given", ["index", "directory"])
+def test_restore_takes_an_index_path_or_a_directory_as_the_readers_do(given):
+    """Before, Checkpoint.restore refused both while load_checkpoint took them."""
+    path = str(DATA / "module/ckpt-2.index") if given == "index" else str(DATA / "module")
+    net = Net()
+    ms.Checkpoint(model=net).restore(path).assert_consumed()
+    assert int(net.step.numpy()) == -(2 ** 40) - 2   # ckpt-2's value, the directory's latest
+
+
+@pytest.mark.mpi(min_size=1)
+def test_restore_of_ours_from_its_directory(world, shared_dir):
+    saved = {"w": np.arange(5.0)}
+    checkpoint = ms.Checkpoint(model=saved)
+    checkpoint.save(os.path.join(shared_dir, "ckpt"))
+    saved["w"] += 1
+    last = checkpoint.save(os.path.join(shared_dir, "ckpt"))
+    back = {"w": np.zeros(5)}
+    status = ms.Checkpoint(model=back).restore(shared_dir)
+    assert status is not None and back["w"].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0], last
+    empty = os.path.join(shared_dir, "empty")
+    if world.rank == 0:
+        os.makedirs(empty)
+    world.comm.Barrier()
+    with pytest.raises(ms.errors.NotFoundError, match="no checkpoint in directory"):
+        ms.Checkpoint(model=back).restore(empty)

@@ -67,6 +67,10 @@ def _tf_to_ours(prefix: str, dst: str, engine, skip: bool) -> Tuple[int, int, Li
     from mpistrat.checkpoint.tf_checkpoints import open_values, read_collective
     from mpistrat.tfformats.object_graph import VARIABLE_VALUE
     values = open_values(prefix, engine)
+    if values.collisions:   # (one of our paths cannot hold two values)
+        raise ValueError(f"{prefix}: TensorFlow keys that become one object path here: "
+                         + "; ".join(f"{p!r} from {k}" for p, k in sorted(
+                             values.collisions.items())) + ": nothing was written")
     names = {v.path: v.name for v in values.graph.values} if values.graph else {}
     entries, kinds, skipped = {}, {}, []
     for path in sorted(values.by_path):
@@ -150,6 +154,9 @@ def convert(src: str, dst: str, overwrite: bool = False, skip_unsupported: bool 
     agree_errors(engine, failure, f"converting {src}")
     kind, path = agree_view(engine, source, f"checkpoint {src}")
     dst = os.fspath(dst)
+    if agree_view(engine, os.path.isdir(dst) or dst.endswith(os.sep), f"DST {dst}"):
+        raise IsADirectoryError(f"DST {dst} is a directory: give a checkpoint prefix, such as "
+                                f"{os.path.join(dst, 'ckpt')}")
     target = index_name(dst) if kind == "mpistrat" else data_file(dst)
     if agree_view(engine, os.path.exists(target), target) and not overwrite:
         raise FileExistsError(f"{target} exists: choose another DST or pass --overwrite")

@@ -210,6 +210,11 @@ class TensorFlowValues:
         else:  # values the graph names but the index lacks (TensorFlow's sharded writes
             # leave out empty tensors) are not in the checkpoint
             self.by_path = {v.path: v.key for v in graph.values if v.key in index.entries}
+        keys_of: Dict[str, set] = {}   # (a local name holding '/' spells another's path)
+        for value in (graph.values if graph is not None else ()):
+            if value.key in index.entries:
+                keys_of.setdefault(value.path, set()).add(value.key)
+        self.collisions = {p: sorted(k) for p, k in keys_of.items() if len(k) > 1}
         self.unmatched = set(self.by_path)
         names: Dict[str, List[str]] = {}
         for value in (graph.values if graph is not None else ()):

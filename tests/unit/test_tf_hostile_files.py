@@ -269,3 +269,44 @@ def test_the_pure_python_wire_reader_refuses_alike():
             messages.parse("BundleEntryProto", data, "crafted")
     assert np.array_equal(wire.decode(messages.SCHEMA, "FloatList", b"\x0a\x04\x00\x00\x80\x3f")
                           .value, [1.0])
+
+
+def _colliding_checkpoint(prefix):
+    """A TF2 checkpoint whose root has a child named 'a/b' (key a.Sb/...) and a child 'a'
+    with a child 'b' (key a/b/...): both are object path 'a/b' here."""
+    def value(key):
+        return {"name": "VARIABLE_VALUE", "checkpoint_key": key, "full_name": ""}
+    one, two = "a.Sb/.ATTRIBUTES/VARIABLE_VALUE", "a/b/.ATTRIBUTES/VARIABLE_VALUE"
+    graph = messages.serialize("TrackableObjectGraph", {"nodes": [
+        {"children": [{"node_id": 1, "local_name": "a/b"}, {"node_id": 2, "local_name": "a"}]},
+        {"attributes": [value(one)]},
+        {"children": [{"node_id": 3, "local_name": "b"}]},
+        {"attributes": [value(two)]}]})
+    items = sorted([(one, np.ones(2, np.float32)), (two, np.zeros(2, np.float32)),
+                    (object_graph.GRAPH_KEY, np.array(graph, dtype=object))],
+                   key=lambda kv: kv[0].encode())
+    entries = bundle.write_shard(bundle.data_name(prefix, 0, 1), items)
+    bundle.write_index(prefix, 1, entries)
+
+
+def test_convert_refuses_two_tensorflow_keys_that_become_one_path(tmp_path):
+    """Before, 'a.Sb' and 'a/b' converted to one value and the command exited 0."""
+    from mpistrat.convert import convert
+    prefix = str(tmp_path / "tf" / "ckpt-1")
+    os.makedirs(os.path.dirname(prefix))
+    _colliding_checkpoint(prefix)
+    with pytest.raises(ValueError, match=r"become one object path here: 'a/b' from") as info:
+        convert(prefix, str(tmp_path / "ours" / "ckpt-1"))
+    assert "a.Sb" in str(info.value) and "nothing was written" in str(info.value)
+    assert not (tmp_path / "ours" / "ckpt-1.h5").exists()
+
+
+def test_convert_onto_an_existing_directory_is_refused(tmp_path, prefix):
+    """Before, it wrote hidden DST/.index and DST/.data files and exited 0."""
+    from mpistrat.convert import convert
+    target = tmp_path / "existing"
+    target.mkdir()
+    for dst in (str(target), str(tmp_path / "new-dir") + os.sep):
+        with pytest.raises(IsADirectoryError, match="is a directory: give a checkpoint prefix"):
+            convert(prefix, dst)
+    assert os.listdir(target) == []

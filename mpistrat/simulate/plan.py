@@ -25,8 +25,11 @@ from mpistrat.simulate.platform import NETWORKS
 
 __all__ = ["main", "parse_tensors", "build_parser", "render"]
 
-_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-           "uint8")
+MAX_GRADIENT_BYTES = 1e15   # a petabyte of gradient: beyond any model, and what the simulation holds
+
+_ITEMSIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
+              "int16": 2, "int8": 1, "uint8": 1}
+_DTYPES = tuple(_ITEMSIZES)
 
 
 class PlanError(ValueError):
@@ -39,7 +42,7 @@ def parse_tensors(text: str) -> List[Tuple[Tuple[int, ...], str]]:
     >>> parse_tensors("3x2:float32, 7:int8")
     [((3, 2), 'float32'), ((7,), 'int8')]
     """
-    out = []
+    out, total = [], 0
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
@@ -55,6 +58,10 @@ def parse_tensors(text: str) -> List[Tuple[Tuple[int, ...], str]]:
                             f"4096x1024") from None
         if any(d < 1 for d in shape):
             raise PlanError(f"tensor {item!r}: every dimension must be 1 or more")
+        total += math.prod(shape) * _ITEMSIZES[dtype]
+        if total > MAX_GRADIENT_BYTES:
+            raise PlanError(f"--tensors: over {MAX_GRADIENT_BYTES:.0e} bytes (a petabyte) in "
+                            f"all, at {item!r}")
         out.append((shape, dtype))
     if not out:
         raise PlanError("--tensors lists no tensor")
@@ -101,10 +108,9 @@ def _check(args) -> None:
         problems.append(f"--nic-latency-us must be 0 or more, got {args.nic_latency_us}")
     if args.leaf_nodes < 1 or args.group_nodes < 1:
         problems.append("--leaf-nodes and --group-nodes must be 1 or more")
-    if args.gradient_bytes is not None and not (args.gradient_bytes >= 4 and
-                                                math.isfinite(args.gradient_bytes)):
-        problems.append(f"--gradient-bytes must be at least 4 (one float32), got "
-                        f"{args.gradient_bytes}")
+    if args.gradient_bytes is not None and not 4 <= args.gradient_bytes <= MAX_GRADIENT_BYTES:
+        problems.append(f"--gradient-bytes must be from 4 (one float32) to {MAX_GRADIENT_BYTES:.0e}"
+                        f" (a petabyte), got {args.gradient_bytes}")
     if args.compute_seconds is not None and not (args.compute_seconds > 0 and
                                                  math.isfinite(args.compute_seconds)):
         problems.append(f"--compute-seconds must be positive, got {args.compute_seconds}")

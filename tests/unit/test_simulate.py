@@ -219,9 +219,11 @@ def test_the_fit_refuses_records_that_cannot_calibrate():
     (["--nodes", "2", "--ranks-per-node", "0", "--gradient-bytes", "1e6"], "--ranks-per-node"),
     (["--nodes", "2", "--gradient-bytes", "-5"], "--gradient-bytes must be"),
     (["--nodes", "2", "--gradient-bytes", "nan"], "--gradient-bytes must be"),
+    (["--nodes", "2", "--gradient-bytes", "1e30"], "--gradient-bytes must be from 4"),   # (a crash)
     (["--nodes", "2", "--tensors", "4x4:complex64"], "unknown dtype"),
     (["--nodes", "2", "--tensors", "4xfour:float32"], "dimensions joined by 'x'"),
     (["--nodes", "2", "--tensors", "0x4:float32"], "1 or more"),
+    (["--nodes", "2", "--tensors", "100000000000x100000000000:float32"], "a petabyte"),
     (["--nodes", "2", "--compute-seconds", "0", "--model", "resnet50"], "--compute-seconds"),
 ])
 def test_plan_refuses_nonsense(argv, reason, capsys):

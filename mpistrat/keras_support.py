@@ -176,6 +176,43 @@ def _floating(value) -> bool:
     return np.issubdtype(np.dtype(value.dtype), np.floating)
 
 
+def same_arrays_everywhere(strategy: Any, arrays) -> None:
+    """Every rank passed the same arrays to ``fit``/``evaluate`` (collective): their shapes,
+    dtypes and a digest of a spread of rows agree, else ``ValueError`` on every rank naming
+    what each saw. Arrays are the global data: each rank takes its slice of every global
+    batch, so a rank that passed its own rows would silently train on others' rows."""
+    import hashlib
+    import jax
+    from mpistrat.collectives.agreement import agree_view
+    leaves = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(arrays)]
+    digest = hashlib.blake2b(digest_size=8)
+    for leaf in leaves:
+        rows = leaf.shape[0] if leaf.ndim else 0
+        picks = np.unique(np.linspace(0, rows - 1, min(rows, 65)).astype(np.int64))
+        digest.update(np.ascontiguousarray(leaf[picks] if rows else leaf).tobytes())
+    view = ([f"{leaf.dtype}{list(leaf.shape)}" for leaf in leaves], digest.hexdigest())
+    agree_view(strategy.extended.engine, view, "the arrays given to model.fit/evaluate "
+               "(shapes and dtypes, a digest of their rows)", error=ValueError,
+               hint="under a strategy every rank passes the same arrays (the global data) and "
+                    "trains on its slice of every global batch; to give each rank its own "
+                    "rows, pass strategy.distribute_datasets_from_function(...) instead")
+
+
+def _refuse_sum_reduction(model: Any) -> None:
+    """A loss summed over the replica's rows (``reduction="sum"``) would be weighted by rows
+    here like a mean, giving other weights and another logged loss than one process: named."""
+    import jax
+    losses = jax.tree_util.tree_leaves(getattr(model, "loss", None),
+                                       is_leaf=lambda v: hasattr(v, "reduction"))
+    for loss in losses:
+        if getattr(loss, "reduction", None) == "sum":
+            raise ValueError(f"model.fit under a strategy: the loss {getattr(loss, 'name', loss)!r} "
+                             f"has reduction='sum', which is not supported here (its gradient "
+                             f"and logged loss would differ from one process's); use the default "
+                             f"'sum_over_batch_size', or write the step with "
+                             f"ms.nn.compute_average_loss")
+
+
 def mirror_weights(model: Any, strategy: Any) -> None:
     """Give every rank rank 0's values of ``model``'s variables (collective), as variables
     created in a TensorFlow strategy's scope start from one replica's initial values."""
@@ -281,6 +318,7 @@ def distribute_model(model: Any, strategy: Any) -> Any:
         if not _is_arrays(x):
             return x, y, sample_weight, batch_size
         arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
+        same_arrays_everywhere(strategy, arrays)
         seed = getattr(model, "keras_shuffle_seed", 0)
         dataset = _RankShare(arrays, batch_size or 32, world.rank, world.size, shuffle, seed)
         return dataset, None, None, None
@@ -291,7 +329,11 @@ def distribute_model(model: Any, strategy: Any) -> Any:
         if validation_split:
             raise ValueError("model.fit under a strategy: validation_split is not supported; "
                              "pass validation_data")
-        if validation_data is not None and _is_arrays(validation_data):
+        from mpistrat.data.distributed import DistributedDataset
+        _refuse_sum_reduction(model)
+        if isinstance(validation_data, DistributedDataset):   # (Keras: "Unrecognized data type")
+            validation_data = _epochs_of(validation_data)
+        elif validation_data is not None and _is_arrays(validation_data):
             vx, vy, vw = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
             vbatch = kwargs.get("validation_batch_size") or batch_size
             validation_data = share(vx, vy, vw, vbatch, False)[0]
@@ -305,6 +347,7 @@ def distribute_model(model: Any, strategy: Any) -> Any:
 
     def evaluate(x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
                  **kwargs):
+        _refuse_sum_reduction(model)
         if kwargs.get("_use_cached_eval_dataset"):
             return cls.evaluate(model, x, y, batch_size=batch_size, verbose=verbose,
                                 sample_weight=sample_weight, **kwargs)

@@ -248,3 +248,49 @@ def test_batch_norm_statistics_agree_after_fit_and_checkpoint(world, shared_dir)
     ms.Checkpoint(model=fresh).restore(path).assert_consumed()
     for got, want in zip(weights(fresh), weights(model)):
         assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("how", ["fewer rows", "other values"])
+def test_ranks_that_pass_other_arrays_are_refused_on_every_rank(world, how):
+    """Before, per-rank arrays of different lengths were silently cut to common rows."""
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x, y = data()
+    if world.rank == world.size - 1:
+        x, y = (x[:-3], y[:-3]) if how == "fewer rows" else (x + 1, y)
+    with strategy.scope():
+        model = build()
+    before = weights(model)
+    with pytest.raises(ValueError, match="every rank passes the same arrays") as info:
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert f"rank {world.size - 1}" in str(info.value)
+    for got, want in zip(weights(model), before):   # nothing trained
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_validation_data_may_be_a_distributed_dataset(world):
+    """Before, Keras refused it: 'Unrecognized data type'."""
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x, y = data()
+    with strategy.scope():
+        model = build()
+    validation = strategy.experimental_distribute_dataset(
+        ms.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                        validation_data=validation)
+    want = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    np.testing.assert_allclose(history.history["val_loss"][-1], want["loss"], rtol=1e-5)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_summed_loss_is_refused_by_name(world):
+    """Before, reduction='sum' weighted each replica's sum by its rows: other weights and
+    another logged loss at 2 ranks than at 1, silently."""
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x, y = data()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum"))
+    with pytest.raises(ValueError, match="reduction='sum'"):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)

@@ -11,6 +11,7 @@
 
 import os
 import time
+import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
 from mpistrat.checkpoint import writer
@@ -142,7 +143,8 @@ class CheckpointManager:
         """Restore the latest checkpoint and return its path, else run ``init_fn``."""
         latest = self.latest_checkpoint
         if latest is not None:
-            self._checkpoint.restore(latest)
+            status = self._checkpoint.restore(latest)
+            _report_unrestored(status, latest)
             return latest
         if self._init_fn is not None:
             self._init_fn()
@@ -151,3 +153,20 @@ class CheckpointManager:
     def sync(self) -> None:
         """Wait for an async save."""
         self._checkpoint.sync()
+
+
+def _report_unrestored(status, path: str) -> None:
+    """Warn (rank 0) about objects that exist now and got no value from ``path``: they keep
+    their initial values. After a change of structure (a layer inserted before others,
+    whose positional paths then shift) these are where the resumed values did not go."""
+    missing = sorted(status.missing_objects - {"save_counter"})
+    if not missing or io_engine().rank != 0:
+        return
+    shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10
+                                        else "")
+    warnings.warn(f"restore_or_initialize: {path} has no value for {shown}, which keep their "
+                  f"initial values; if the objects' structure changed since the save (a layer "
+                  f"inserted or models built in another order), values may have gone to other "
+                  f"objects: compare status.missing_objects and status.unmatched_values of "
+                  f"Checkpoint.restore, or call assert_existing_objects_matched()",
+                  stacklevel=3)

@@ -301,3 +301,35 @@ def test_a_jax_array_held_twice_is_restored_at_both_holders(world, shared_dir):
     fresh.restore(path).assert_consumed()
     assert_same_tree(fresh.encoder, {"emb": tied})
     assert_same_tree(fresh.decoder, {"emb": tied})
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_layer_inserted_before_resuming_is_reported_not_silent(world, shared_dir):
+    """A Dropout inserted before the second Dense shifts the positional paths: the second
+    Dense got no value and kept its fresh weights while restore_or_initialize said nothing.
+    Now it warns naming the objects left at their initial values, and
+    assert_existing_objects_matched names them too."""
+    keras = pytest.importorskip("keras")
+
+    def build(dropout):
+        keras.utils.set_random_seed(7)
+        layers = [keras.layers.Dense(5), keras.layers.Dense(2)]
+        if dropout:
+            layers.insert(1, keras.layers.Dropout(0.2))
+        return keras.Sequential([keras.Input((4,))] + layers)
+
+    directory = os.path.join(shared_dir, "inserted")
+    manager = ms.CheckpointManager(ms.Checkpoint(model=build(False)), directory, max_to_keep=1)
+    manager.save()
+    changed = build(True)
+    resumed = ms.CheckpointManager(ms.Checkpoint(model=changed), directory, max_to_keep=1)
+    if world.rank == 0:
+        with pytest.warns(UserWarning, match="keep their initial values") as caught:
+            assert resumed.restore_or_initialize() is not None
+        text = str(caught[0].message)
+        assert "model/layer-2/kernel" in text or "layer-2" in text, text
+    else:
+        assert resumed.restore_or_initialize() is not None
+    status = ms.Checkpoint(model=changed).restore(manager.latest_checkpoint)
+    with pytest.raises(AssertionError, match="objects without a value"):
+        status.assert_existing_objects_matched()

@@ -280,9 +280,14 @@ def main(argv=None) -> int:
         return plan(argv[1:])
     if argv[:1] == ["tune"]:  # measure the all-reduce algorithms, write the tuning file
         return tune(argv[1:])
+    if argv[:1] == ["doctor"]:  # is this site's set-up ready? (mpistrat/doctor.py)
+        from mpistrat.doctor import main as doctor
+        return doctor(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m mpistrat")
-    parser.add_argument("command", choices=["info", "plan", "convert", "tune"],
-                        help="info: describe every rank; tune: measure the all-reduce algorithms "
+    parser.add_argument("command", choices=["info", "doctor", "plan", "convert", "tune"],
+                        help="info: describe every rank; doctor: check this site's set-up, "
+                             "with a fix for each failure (python -m mpistrat doctor --help); "
+                             "tune: measure the all-reduce algorithms "
                              "and write the tuning file (python -m mpistrat tune --help); plan: predict a cluster's all-reduce "
                              "(python -m mpistrat plan --help); convert: checkpoints between "
                              "TensorFlow's format and ours (python -m mpistrat convert --help)")

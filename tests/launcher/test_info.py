@@ -1,7 +1,13 @@
-"""``python -m mpistrat info``: the table on rank 0, the facts, and ``--json``."""
+"""``python -m mpistrat info``: the table on rank 0, the facts, and ``--json``; ``tune``
+into a missing directory; ``doctor`` on a working set-up at 1-3 ranks and on broken ones."""
 
 import json
+import os
 import re
+import subprocess
+import sys
+
+import pytest
 
 from mpistrat.__main__ import render
 
@@ -100,3 +106,59 @@ def test_tune_into_a_missing_directory_fails_naming_it(launch, tmp_path):
     assert result.returncode != 0, result
     assert f"could not write the tuning file {target}" in result.output, result
     assert not target.exists()
+
+
+DOCTOR = "import sys, runpy\nsys.argv = ['mpistrat', 'doctor'] + sys.argv[1:]\n" \
+         "runpy.run_module('mpistrat', run_name='__main__')\n"
+
+
+def _rows(output):
+    return {line[:17].strip(): line[17:].split(None, 1) for line in output.splitlines()
+            if line[:17].strip() and line[17:21].strip() in ("PASS", "FAIL", "SKIP")}
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_doctor_passes_on_a_working_set_up(launch, tmp_path, ranks):
+    result = launch(ranks, DOCTOR, "--dir", str(tmp_path / "ckpt"), limit=120)
+    assert result.returncode == 0, result
+    rows = _rows(result.output)
+    assert set(rows) == {"MPI launch", "ranks and nodes", "collectives", "GPUs", "h5py",
+                         "checkpoint dir", "Slurm"}, result
+    assert rows["ranks and nodes"][1].startswith(f"{ranks} ranks on 1 node(s)"), result
+    assert all(status != "FAIL" for status, _ in rows.values()), result
+    assert "ready: every check passed" in result.output
+    assert os.listdir(tmp_path / "ckpt") == []         # it cleaned up after itself
+
+
+def test_doctor_json_is_one_document_with_every_check(launch, tmp_path):
+    result = launch(2, DOCTOR, "--dir", str(tmp_path), "--json", limit=120)
+    assert result.returncode == 0, result
+    document = json.loads(result.output[result.output.index("{"):])
+    assert [c["status"] for c in document["checks"]].count("fail") == 0
+    assert {c["check"] for c in document["checks"]} >= {"collectives", "checkpoint dir"}
+
+
+def test_doctor_fails_naming_a_directory_the_ranks_do_not_share(launch, tmp_path):
+    """Each rank names its own directory (node-local scratch): the checkpoint check fails on
+    every rank, with the fix; the exit status is 1."""
+    script = ("import os, sys\n"
+              "sys.argv[2] = os.path.join(sys.argv[2], os.environ['OMPI_COMM_WORLD_RANK'])\n"
+              + DOCTOR)
+    result = launch(2, script, "--dir", str(tmp_path), limit=120)
+    assert result.returncode == 1, result
+    rows = _rows(result.output)
+    assert rows["checkpoint dir"][0] == "FAIL", result
+    assert "fix: name a directory on a file system that every node mounts" in result.output
+    assert rows["collectives"][0] == "PASS"
+
+
+def test_doctor_names_a_singleton_start(tmp_path):
+    """An mpi4py built for another MPI: the launcher (here MPICH's PMI_SIZE) started 4 ranks,
+    MPI sees one. The check fails with the rebuild as its fix."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    env.update(PMI_SIZE="4", PYTHONUNBUFFERED="1")
+    done = subprocess.run([sys.executable, "-m", "mpistrat", "doctor", "--dir", str(tmp_path)],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "the launcher started 4 ranks but MPI sees 1" in done.stdout, done.stdout
+    assert "--no-binary=mpi4py" in done.stdout

@@ -30,6 +30,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+from mpistrat.io.safe_files import UnreadableFile, read_regular
+
 __all__ = ["TuningTable", "BUCKETS", "SIZE_CLASSES", "PLACES", "CANDIDATES", "VERSION",
            "bucket_of", "size_class", "key_of", "pick", "table_key", "load_table", "save_table",
            "parse_file",
@@ -229,17 +231,13 @@ def _entry(entry: Dict, number: int, path: str) -> TuningTable:
 
 
 def _read_regular(path: str) -> bytes:
-    """The bytes of ``path`` if it is a regular file of at most ``MAX_FILE_BYTES``; opened
-    without blocking (a FIFO never holds the job), checked on the open file (``fstat``)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise TuningFileError(f"{path}: not a regular file (a tuning file is a JSON file)")
-        if info.st_size > MAX_FILE_BYTES:
-            raise TuningFileError(f"{path}: corrupt ({info.st_size} bytes; a tuning file is at "
-                                  f"most {MAX_FILE_BYTES})")
-        return f.read(MAX_FILE_BYTES + 1)
+    """The bytes of ``path``: a regular file of at most ``MAX_FILE_BYTES`` (a FIFO never holds
+    the job, a device is refused: ``io.safe_files.read_regular``)."""
+    try:
+        return read_regular(path, MAX_FILE_BYTES)
+    except UnreadableFile as err:
+        raise TuningFileError(f"{path}: corrupt (it {err}; a tuning file is a JSON file)") \
+            from None
 
 
 def load_table(path: str, key: Mapping) -> TuningTable:

@@ -17,9 +17,11 @@ created::
 
 import os
 import secrets
+import stat
 from typing import Callable
 
-__all__ = ["create_exclusive", "random_temp", "same_file", "replace_atomically"]
+__all__ = ["create_exclusive", "random_temp", "same_file", "replace_atomically",
+           "read_regular", "UnreadableFile"]
 
 _CREATE = (os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
            | getattr(os, "O_CLOEXEC", 0))
@@ -69,3 +71,31 @@ def replace_atomically(path: str, write: Callable, temp: str = "") -> None:
             except OSError:
                 pass
         raise
+
+
+class UnreadableFile(ValueError):
+    """A file we read that is not a regular file, or larger than its kind may be."""
+
+
+def read_regular(path: str, limit: int) -> bytes:
+    """The bytes of ``path``, a regular file of at most ``limit`` bytes. Opened without
+    blocking (a FIFO planted under the name never holds a rank) and checked on the open
+    file (``fstat``); ``UnreadableFile`` when it is not a regular file or is larger,
+    ``OSError`` (``FileNotFoundError``...) when it cannot be opened or read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UnreadableFile("is not a regular file")
+        if info.st_size > limit:
+            raise UnreadableFile(f"holds {info.st_size} bytes, more than the {limit} allowed")
+        chunks, left = [], info.st_size
+        while left > 0:
+            chunk = os.pread(fd, left, info.st_size - left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

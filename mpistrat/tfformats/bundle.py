@@ -36,7 +36,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 
 from mpistrat.errors import DataLossError, InvalidArgumentError, NotFoundError
-from mpistrat.io.safe_files import replace_atomically
+from mpistrat.io.safe_files import UnreadableFile, read_regular, replace_atomically
 from mpistrat.tfformats import messages
 from mpistrat.tfformats.crc import crc32c, extend, mask, unmask
 from mpistrat.tfformats.sstable import build_table, read_table
@@ -132,29 +132,14 @@ class BundleIndex:
 
 
 def _read_small_file(path: str, limit: int, what: str) -> bytes:
-    try:  # non-blocking: a FIFO planted under the name must not hang us
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        return read_regular(path, limit)
     except FileNotFoundError:
         raise NotFoundError(f"{what} {path} does not exist") from None
+    except UnreadableFile as err:
+        raise DataLossError(f"{what} {path} {err}") from None
     except OSError as err:
         raise DataLossError(f"{what} {path} cannot be read: {err}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise DataLossError(f"{what} {path} is not a regular file")
-        if info.st_size > limit:
-            raise DataLossError(f"{what} {path} holds {info.st_size} bytes, more than the "
-                                f"{limit} a checkpoint index may have")
-        chunks, left = [], info.st_size
-        while left > 0:
-            chunk = os.pread(fd, left, info.st_size - left)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def read_index(prefix: str) -> BundleIndex:

@@ -37,7 +37,7 @@ What changes for a compiled model (instance attributes; the Keras classes are un
   ranks that had rows at each step (the mean TensorFlow reads and saves of its per-replica
   copies), so it is the same on every rank and a checkpoint takes it.
 
-Not done: metrics whose state is not a sum (e.g. ``max``) are wrong; ``validation_split`` is refused. An ``ms``
+Not done: metrics whose state is not a sum (e.g. ``max``) are wrong. An ``ms``
 distributed dataset (``strategy.experimental_distribute_dataset``) is iterated afresh each
 epoch as it is (it already gives each rank its share and stops on the same step everywhere);
 Python generators and other inputs are passed to Keras unchanged and must do the same.
@@ -198,6 +198,25 @@ def same_arrays_everywhere(strategy: Any, arrays) -> None:
                     "rows, pass strategy.distribute_datasets_from_function(...) instead")
 
 
+def _split_off(x, y, sample_weight, fraction: float):
+    """Keras's ``validation_split``: the last ``fraction`` of the rows (before any shuffle)
+    becomes ``validation_data``; arrays only, as in Keras."""
+    import jax
+    if not _is_arrays(x) or not 0.0 < fraction < 1.0:
+        raise ValueError(f"model.fit under a strategy: validation_split={fraction!r} needs "
+                         f"NumPy or JAX arrays and a fraction in (0, 1), as in Keras; pass "
+                         f"validation_data otherwise")
+    cut = int(math.floor(_rows(x) * (1.0 - fraction)))
+
+    def part(tree, rows):
+        return None if tree is None else jax.tree_util.tree_map(lambda a: np.asarray(a)[rows],
+                                                                tree)
+    kept = (part(x, slice(None, cut)), part(y, slice(None, cut)),
+            part(sample_weight, slice(None, cut)))
+    held = tuple(part(t, slice(cut, None)) for t in (x, y, sample_weight) if t is not None)
+    return kept + (held,)
+
+
 def _refuse_sum_reduction(model: Any) -> None:
     """A loss summed over the replica's rows (``reduction="sum"``) would be weighted by rows
     here like a mean, giving other weights and another logged loss than one process: named."""
@@ -326,9 +345,9 @@ def distribute_model(model: Any, strategy: Any) -> Any:
     def fit(x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
             sample_weight=None, **kwargs):
-        if validation_split:
-            raise ValueError("model.fit under a strategy: validation_split is not supported; "
-                             "pass validation_data")
+        if validation_split and validation_data is None:   # (Keras: validation_data wins)
+            x, y, sample_weight, validation_data = _split_off(x, y, sample_weight,
+                                                              validation_split)
         from mpistrat.data.distributed import DistributedDataset
         _refuse_sum_reduction(model)
         if isinstance(validation_data, DistributedDataset):   # (Keras: "Unrecognized data type")

@@ -53,7 +53,8 @@ class MirroredStrategy(Strategy):
     a ``CommunicationOptions``, or ``ms.distribute.NcclAllReduce()``,
     ``HierarchicalCopyAllReduce()`` or ``ReductionToOneDevice()``.
     Launched across several nodes it raises ``ValueError``: use
-    ``MultiWorkerMirroredStrategy`` there.
+    ``MultiWorkerMirroredStrategy`` there. ``cluster_resolver`` is an
+    ``MPIClusterResolver`` (``task_id`` is the rank, ``task_type`` ``"worker"``).
     """
 
     def __init__(self, devices: Optional[Sequence[str]] = None, cross_device_ops=None):
@@ -67,7 +68,10 @@ class MirroredStrategy(Strategy):
         bound = bind_device(world, list(devices) if devices is not None else None)
         _check_nccl(options, bound)
         engine = CollectiveEngine(world.node_comm, options)
-        super().__init__(engine, (_device_name(world.rank, bound.name),))
+        # (one node: its ranks are the world's, so the MPI resolver describes them: the
+        # tutorials' `strategy.cluster_resolver.task_id == 0` chief check works here too)
+        super().__init__(engine, (_device_name(world.rank, bound.name),),
+                         cluster_resolver=MPIClusterResolver())
 
 
 class MultiWorkerMirroredStrategy(Strategy):

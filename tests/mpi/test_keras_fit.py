@@ -294,3 +294,22 @@ def test_a_summed_loss_is_refused_by_name(world):
         model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum"))
     with pytest.raises(ValueError, match="reduction='sum'"):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_validation_split_holds_out_the_last_rows_as_one_process_does(world):
+    """Before, validation_split was refused under a strategy."""
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x, y = data()
+    with strategy.scope():
+        model = build()
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                        validation_split=0.25)
+    single = build()
+    want = single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                      validation_split=0.25)
+    for key in ("loss", "val_loss"):
+        np.testing.assert_allclose(history.history[key], want.history[key], rtol=1e-5)
+    for got, expected in zip(weights(model), weights(single)):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    same_on_every_rank(strategy, weights(model))

@@ -191,3 +191,9 @@ def test_extended_and_cluster_facts(world):
     assert strategy.cluster_resolver.task_id == world.rank
     ms.config.experimental_connect_to_cluster(strategy.cluster_resolver)
     assert isinstance(ms.experimental.MultiWorkerMirroredStrategy(), ms.Strategy)
+    if world.num_nodes > 1:
+        return                              # (MirroredStrategy spans one node)
+    mirrored = ms.MirroredStrategy()        # (one node: the tutorials' chief check works)
+    assert mirrored.cluster_resolver.task_id == world.rank
+    assert mirrored.cluster_resolver.task_type == "worker"
+    assert mirrored.cluster_resolver.cluster_spec().num_tasks("worker") == world.size

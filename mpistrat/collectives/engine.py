@@ -23,7 +23,7 @@ from mpi4py import MPI
 from mpistrat.collectives.backends import select_backend
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.dtypes import dtype_code, refuse
-from mpistrat.collectives.host_callbacks import settle
+from mpistrat.collectives.host_callbacks import TRACED, settle
 from mpistrat.collectives.into import out_lists, out_problem, place_of
 from mpistrat.collectives.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.collectives.reduce_op import ReduceOp
@@ -119,7 +119,8 @@ class CollectiveEngine(SmallReductions):
         opts = self.options.merge(options)
         timeout = opts.timeout_seconds if opts.timeout_seconds is not None else self.default_timeout
         self._calls += 1
-        settle()   # host callbacks' collectives first, in program order (host_callbacks.py)
+        if TRACED[0]:   # host callbacks' collectives first, in program order
+            settle()   # (host_callbacks.py)
         return opts, timeout, Deadline.after(timeout)
 
     def _begin(self, what: str, signature: tuple, options: Optional[CommunicationOptions]):

@@ -23,15 +23,17 @@ nothing until a collective has been traced into a callback (``traced()``)::
 import contextlib
 import threading
 
-__all__ = ["traced", "running", "inside", "settle"]
+__all__ = ["TRACED", "traced", "running", "inside", "settle"]
 
-_state = {"traced": False}
+# Whether a collective was ever traced into a callback. Hot paths test it themselves
+# (`if TRACED[0]: settle()`): one load when nothing was traced, no call.
+TRACED = [False]
 _local = threading.local()
 
 
 def traced() -> None:
     """Note that a collective was traced into a host callback: from now on ``settle`` waits."""
-    _state["traced"] = True
+    TRACED[0] = True
 
 
 @contextlib.contextmanager
@@ -53,6 +55,6 @@ def inside() -> bool:
 def settle() -> None:
     """Wait for every host callback dispatched so far, unless none was ever traced or this
     thread is running one (each collective's entry calls this before its first MPI call)."""
-    if _state["traced"] and not inside():
+    if TRACED[0] and not inside():
         import jax
         jax.effects_barrier()

@@ -36,7 +36,7 @@ from mpistrat.collectives import algorithms
 from mpistrat.collectives.backends.host import HostMPI
 from mpistrat.collectives.deadline import Deadline
 from mpistrat.collectives.dtypes import accumulator
-from mpistrat.collectives.host_callbacks import settle
+from mpistrat.collectives.host_callbacks import TRACED, settle
 from mpistrat.collectives.options import CommunicationOptions
 from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
 from mpistrat.collectives.structure import signature_of
@@ -90,7 +90,8 @@ class SmallReductions:
         if timeline.ON or self._broken:
             return None  # (all_reduce records the call, or refuses it)
         self._calls += 1
-        settle()   # host callbacks' collectives first (host_callbacks.py)
+        if TRACED[0]:   # host callbacks' collectives first (host_callbacks.py)
+            settle()
         mean, integer, make, what, signature, probe = ready
         if self._trace:
             self._trace_fold(what, 1)
@@ -123,7 +124,8 @@ class SmallReductions:
         if timeline.ON or self._broken or self._trace:
             return None
         self._calls += 1
-        settle()   # host callbacks' collectives first (host_callbacks.py)
+        if TRACED[0]:   # host callbacks' collectives first (host_callbacks.py)
+            settle()
         send, total, mpi_op, mean_as = ready
         send[0] = value
         self.comm.Allreduce(send, total, mpi_op)   # (out of place, as the long path's)
@@ -146,7 +148,8 @@ class SmallReductions:
             ready = self._plain_arrays[(op, array.dtype)] = (exact.mpi_op,
                                                              exact is ReduceOp.MEAN)
         self._calls += 1
-        settle()   # host callbacks' collectives first (host_callbacks.py)
+        if TRACED[0]:   # host callbacks' collectives first (host_callbacks.py)
+            settle()
         mpi_op, mean = ready
         send = array if array.flags.c_contiguous else np.ascontiguousarray(array)
         out = np.empty_like(send)
@@ -195,7 +198,8 @@ class SmallReductions:
         if timeline.ON or self._broken:
             return None
         self._calls += 1
-        settle()   # host callbacks' collectives first (host_callbacks.py)
+        if TRACED[0]:   # host callbacks' collectives first (host_callbacks.py)
+            settle()
         exact, what, signature, probe, payload, sums, divisor = ready
         if self._trace:
             self._trace_fold(what, array.size)
@@ -225,7 +229,8 @@ class SmallReductions:
                     ALL_REDUCE_WHAT[ReduceOp.SUM], signature, self._fold_timeout is not None))
             return self.all_reduce(np.array(flags, np.float64), ReduceOp.SUM)
         self._calls += 1
-        settle()   # host callbacks' collectives first (host_callbacks.py)
+        if TRACED[0]:   # host callbacks' collectives first (host_callbacks.py)
+            settle()
         signature, probe = ready
         if self._trace:
             self._trace_fold(ALL_REDUCE_WHAT[ReduceOp.SUM], count)

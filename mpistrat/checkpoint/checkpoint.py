@@ -50,7 +50,7 @@ from mpistrat.checkpoint.frameworks import install_build_hook
 from mpistrat.checkpoint.files import data_file, local_view, missing_hint
 from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots
 from mpistrat.checkpoint.matching import (agree_plan, check_compatible as _check_compatible,
-                                          read_batches)
+                                          fit_to_slot, read_batches)
 from mpistrat.checkpoint.h5read import Reader, read_catalog, read_entry, read_values
 from mpistrat.checkpoint.h5write import write_file
 from mpistrat.checkpoint.same_path import agree_view_at
@@ -316,6 +316,7 @@ class Checkpoint:
         for path in sorted(set(slots) & set(values)):
             slot, value = slots[path], values[path]
             _check_compatible(slot, value, path, source)
+            value = fit_to_slot(slot, value)   # (an integer of another width that fits)
             if slot.kind == "state":
                 states.setdefault(id(slot.owner), (slot.owner, {}))[1][path.rsplit("/", 1)[1]] = value
             elif slot.write is not None:

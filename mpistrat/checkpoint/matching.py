@@ -25,7 +25,7 @@ from mpistrat.checkpoint.graph import Slot
 from mpistrat.collectives.agreement import Failure, agree_errors, rank_list, views_differ
 from mpistrat.collectives.objects import allgather_object
 
-__all__ = ["check_compatible", "read_batches", "agree_plan"]
+__all__ = ["check_compatible", "fit_to_slot", "read_batches", "agree_plan"]
 
 _BATCH_BYTES = 64 << 20
 
@@ -55,7 +55,8 @@ def check_compatible(slot: Slot, value, path: str, source: str) -> None:
     if slot.kind in ("variable", "array") and (owner is not None or slot.shape is not None):
         shape, dtype = (tuple(slot.shape), np.dtype(slot.dtype)) if slot.shape is not None \
             else (tuple(owner.shape), np.dtype(owner.dtype))
-        if tuple(value.shape) != shape or value.dtype != dtype:
+        if tuple(value.shape) != shape or (value.dtype != dtype and
+                                           not _integers_fit(value, dtype, path, source)):
             raise ValueError(f"cannot restore {path!r} from {source}: the checkpoint holds "
                              f"{value.dtype}{list(value.shape)}, the object is {dtype}{list(shape)}")
     elif slot.kind in _NUMBER_DTYPES or slot.kind == "array":  # a Python or NumPy number
@@ -64,6 +65,36 @@ def check_compatible(slot: Slot, value, path: str, source: str) -> None:
             raise ValueError(f"cannot restore {path!r} from {source}: the checkpoint holds "
                              f"{value.dtype}{list(value.shape)}, the object is a {slot.kind} "
                              f"number")
+
+
+def _integers_fit(value, dtype: np.dtype, path: str, source: str) -> bool:
+    """Framework counters and RNG states change integer width between frameworks (Keras 3
+    on JAX keeps ``iterations`` as int32, TensorFlow writes int64; a seed state int64 here,
+    uint32 there): an integer value restores into an integer object of another width or
+    signedness when every value fits (a catalog entry, not read yet, is let through to be
+    checked when read); one that does not fit is a ``ValueError`` naming the path. Floats
+    never change kind."""
+    if np.dtype(value.dtype).kind not in "iu" or dtype.kind not in "iu":
+        return False
+    if not isinstance(value, np.ndarray) or value.size == 0:
+        return True
+    info = np.iinfo(dtype)
+    low, high = int(value.min()), int(value.max())
+    if low < info.min or high > info.max:
+        raise ValueError(f"cannot restore {path!r} from {source}: the checkpoint holds "
+                         f"{value.dtype} values from {low} to {high}, which do not fit the "
+                         f"object's {dtype}")
+    return True
+
+
+def fit_to_slot(slot: Slot, value):
+    """``value`` in its slot's integer dtype when ``check_compatible`` let a width change
+    through (``_integers_fit``); any other value as it is."""
+    dtype = slot.dtype if slot.shape is not None else getattr(slot.owner, "dtype", None)
+    if dtype is None or not isinstance(value, np.ndarray) or value.dtype == np.dtype(dtype) \
+            or value.dtype.kind not in "iu" or np.dtype(dtype).kind not in "iu":
+        return value
+    return value.astype(np.dtype(dtype))
 
 
 def agree_plan(engine, slots: Dict[str, Slot], wanted: Dict[str, object], source: str,
@@ -79,7 +110,7 @@ def agree_plan(engine, slots: Dict[str, Slot], wanted: Dict[str, object], source
             failure = Failure(err, engine.rank)
             break
     agree_errors(engine, failure, f"restoring {source}",
-                 hint="every rank must build the same objects before restoring")
+                 hint="build the objects as they were saved, alike on every rank")
     paths = sorted(wanted)
     if not views_differ(engine, paths):
         return

@@ -280,3 +280,42 @@ def test_restore_of_ours_from_its_directory(world, shared_dir):
     world.comm.Barrier()
     with pytest.raises(ms.errors.NotFoundError, match="no checkpoint in directory"):
         ms.Checkpoint(model=back).restore(empty)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_keras_model_and_its_optimizer_restore_from_tensorflow_through_the_public_path():
+    """TensorFlow writes Adam's iterations as int64, Keras 3 on JAX keeps int32: before, every
+    model-plus-optimizer restore of a real Keras checkpoint failed ('holds int64[], the object
+    is int32[]'). An integer that fits restores into another width."""
+    os.environ.setdefault("KERAS_BACKEND", "jax")
+    keras = pytest.importorskip("keras")
+    keras.backend.clear_session()   # the fixture program's automatic names
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="relu"),
+                              keras.layers.Dense(2)])
+    optimizer = keras.optimizers.Adam(0.01)
+    optimizer.build(model.trainable_variables)
+    status = ms.Checkpoint(model=model, optimizer=optimizer).restore(str(DATA / "keras/ckpt-1"))
+    status.assert_existing_objects_matched()
+    assert optimizer.iterations.dtype == "int32" and int(optimizer.iterations.numpy()) == 1
+    expected = {**REPORT["keras/weights"], **REPORT["keras/optimizer"]}
+    for variable in list(model.weights) + list(optimizer.variables):
+        if variable.path == "adam/iteration":
+            continue
+        value = np.asarray(variable.numpy())
+        assert value.tobytes().hex() == expected[variable.path]["hex"], variable.path
+
+
+@pytest.mark.mpi(min_size=1)
+def test_integers_restore_into_another_width_only_when_every_value_fits(shared_dir):
+    path = ms.Checkpoint(small=np.array([5, -3], np.int64), big=np.array([2 ** 40], np.int64),
+                         seed=np.array([7, 2 ** 32 - 1], np.int64),
+                         f=np.float64(1.5)).write(os.path.join(shared_dir, "ints"))
+    target = {"small": np.zeros(2, np.int32), "seed": np.zeros(2, np.uint32)}
+    ms.Checkpoint(**target).read(path).expect_partial()
+    assert target["small"].dtype == np.int32 and target["small"].tolist() == [5, -3]
+    assert target["seed"].dtype == np.uint32 and target["seed"].tolist() == [7, 2 ** 32 - 1]
+    with pytest.raises(ValueError, match=r"'big'.*values from 1099511627776 to 1099511627776, "
+                                         r"which do not fit the object's int32"):
+        ms.Checkpoint(big=np.zeros(1, np.int32)).read(path)
+    with pytest.raises(ValueError, match=r"'small'.*holds int64\[2\], the object is float64"):
+        ms.Checkpoint(small=np.zeros(2, np.float64)).read(path)   # floats never change kind

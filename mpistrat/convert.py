@@ -50,6 +50,8 @@ def _unsupported(path: str, entry) -> Optional[str]:
     from mpistrat.checkpoint.graph import check_path
     from mpistrat.checkpoint.validate import check_dtype
     from mpistrat.errors import DataLossError
+    if getattr(entry, "refused", ""):
+        return f"TensorFlow dtype {entry.refused}"
     try:
         check_path(path)
     except ValueError:
@@ -65,7 +67,7 @@ def _tf_to_ours(prefix: str, dst: str, engine, skip: bool) -> Tuple[int, int, Li
     from mpistrat.checkpoint.h5write import write_file
     from mpistrat.checkpoint.files import data_file
     from mpistrat.checkpoint.tf_checkpoints import open_values, read_collective
-    from mpistrat.tfformats.object_graph import VARIABLE_VALUE
+    from mpistrat.tfformats.object_graph import GRAPH_KEY, VARIABLE_VALUE
     values = open_values(prefix, engine)
     if values.collisions:   # (one of our paths cannot hold two values)
         raise ValueError(f"{prefix}: TensorFlow keys that become one object path here: "
@@ -82,6 +84,9 @@ def _tf_to_ours(prefix: str, dst: str, engine, skip: bool) -> Tuple[int, int, Li
         entries[path] = entry
         kinds[path] = "variable" if names.get(path, VARIABLE_VALUE) == VARIABLE_VALUE \
             else "state"
+    pathless = set(values.index.entries) - set(values.by_path.values()) - {GRAPH_KEY}
+    skipped += [f"{key} (no object path in its object graph)"   # (every dropped value named)
+                for key in sorted(pathless)]
     if skipped and not skip:
         raise ValueError(f"{prefix}: our checkpoints cannot hold {', '.join(skipped)}; pass "
                          f"--skip-unsupported to convert the rest")

@@ -51,6 +51,10 @@ _NUMBER_DTYPES = {"int": "iu", "float": "fiu", "bool": "b"}
 
 def check_compatible(slot: Slot, value, path: str, source: str) -> None:
     """``value`` (an array, or a catalog entry before reading) fits the object at ``path``."""
+    if getattr(value, "refused", ""):   # (a TensorFlow variant, resource...: listed only)
+        raise ValueError(f"cannot restore {path!r} from {source}: the checkpoint holds a "
+                         f"TensorFlow {value.refused} value there, which mpistrat cannot hold; "
+                         f"leave that object out of the Checkpoint to restore the rest")
     owner = slot.owner
     if slot.kind in ("variable", "array") and (owner is not None or slot.shape is not None):
         shape, dtype = (tuple(slot.shape), np.dtype(slot.dtype)) if slot.shape is not None \

@@ -25,9 +25,10 @@ broadcast, and checked (CRC-32C) by every rank, so a corrupt value raises the sa
 ``DataLossError`` everywhere. Values for objects attached later are read when they are.
 """
 
+import bisect
 import hashlib
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -101,9 +102,10 @@ class CheckpointReader:
     def get_variable_to_shape_map(self) -> Dict[str, List[int]]:
         return {k: list(e.shape) for k, e in sorted(self._index.entries.items())}
 
-    def get_variable_to_dtype_map(self) -> Dict[str, np.dtype]:
-        """Key -> NumPy dtype (``object`` for strings, ``ml_dtypes.bfloat16``, ...)."""
-        return {k: e.dtype for k, e in sorted(self._index.entries.items())}
+    def get_variable_to_dtype_map(self) -> Dict[str, Any]:
+        """Key -> NumPy dtype (``object`` for strings, ``ml_dtypes.bfloat16``, ...); for a
+        TensorFlow dtype we cannot hold, its name (``"variant"``: ``get_tensor`` refuses it)."""
+        return {k: e.refused or e.dtype for k, e in sorted(self._index.entries.items())}
 
 
 def load_checkpoint(ckpt_dir_or_file: str) -> CheckpointReader:
@@ -209,7 +211,7 @@ class TensorFlowValues:
                             for k in index.entries}
         else:  # values the graph names but the index lacks (TensorFlow's sharded writes
             # leave out empty tensors) are not in the checkpoint
-            self.by_path = {v.path: v.key for v in graph.values if v.key in index.entries}
+            self.by_path = _paths_of(graph, index)
         keys_of: Dict[str, set] = {}   # (a local name holding '/' spells another's path)
         for value in (graph.values if graph is not None else ()):
             if value.key in index.entries:
@@ -232,7 +234,7 @@ class TensorFlowValues:
             else:
                 value = self.graph.find(path)
                 target = value.path if value is not None and value.path in self.by_path \
-                    else None
+                    else path if path in self.by_path else None   # (_paths_of's suffixes)
             owner = slot.owner
             if target is None and type(owner).__module__.startswith("keras"):
                 target = self.by_full_name.get(getattr(owner, "path", None))  # Keras 3
@@ -275,6 +277,24 @@ def read_graph(index: BundleIndex) -> Optional[ObjectGraph]:
     entry = graph_entry(index)
     return None if entry is None else parse_graph(read_value(entry)[()],
                                                   f"{entry.file}, key {GRAPH_KEY!r}")
+
+
+def _paths_of(graph: ObjectGraph, index: BundleIndex) -> Dict[str, str]:
+    """Our path of each index key the graph names. An attribute whose saveable wrote several
+    tensors names their common prefix (a tf.data iterator's ``.ATTRIBUTES/ITERATOR`` is
+    stored as ``.ATTRIBUTES/ITERATOR_STATE``; a lookup table's as ``...-keys`` and
+    ``...-values``): each such key gets the attribute's path with the key's suffix."""
+    keys = sorted(index.entries)
+    paths: Dict[str, str] = {}
+    for value in graph.values:
+        if value.key in index.entries:
+            paths[value.path] = value.key
+            continue
+        at = bisect.bisect_left(keys, value.key)
+        while at < len(keys) and keys[at].startswith(value.key):
+            paths[value.path + keys[at][len(value.key):]] = keys[at]
+            at += 1
+    return paths
 
 
 def _digest(index: BundleIndex) -> str:

@@ -44,7 +44,7 @@ from mpistrat.tfformats.wire import WireError, read_varint, varint
 
 __all__ = ["BundleEntry", "BundleIndex", "read_index", "read_value", "decode_value",
            "encode_value", "write_shard", "write_index", "data_name", "index_name",
-           "is_bundle", "numpy_dtype", "dtype_enum", "STRING", "MAX_INDEX_BYTES"]
+           "is_bundle", "numpy_dtype", "dtype_enum", "refusal", "STRING", "MAX_INDEX_BYTES"]
 
 STRING = 7
 MAX_INDEX_BYTES = 1 << 30      # an index this large holds millions of tensors: refused
@@ -111,6 +111,8 @@ class BundleEntry:
     offset: int
     size: int
     crc: int               # as stored (masked)
+    refused: str = ""      # a TensorFlow dtype we cannot hold ("variant", "resource", ...):
+                           # listed, never read (``read_value`` names it)
 
     @property
     def nbytes(self) -> int:
@@ -212,6 +214,8 @@ def _entry(key: str, proto, shards: List[str], sizes: Dict[int, int],
     if len(proto.slices):
         raise InvalidArgumentError(f"{where}: a partitioned (sliced) tensor; restore it in "
                                    f"TensorFlow and save it whole to read it here")
+    if proto.dtype in _REFUSED:   # (a tf.data iterator's state, a resource): listed only
+        return _refused_entry(key, proto, shards, sizes, where)
     dtype = numpy_dtype(proto.dtype, where)
     if proto.shape.unknown_rank or len(proto.shape.dim) > _MAX_RANK:
         raise DataLossError(f"{where}: invalid shape (unknown rank or over {_MAX_RANK} dims)")
@@ -241,9 +245,36 @@ def _entry(key: str, proto, shards: List[str], sizes: Dict[int, int],
                        int(proto.offset), int(proto.size), int(proto.crc32c))
 
 
+def _refused_entry(key: str, proto, shards: List[str], sizes: Dict[int, int],
+                   where: str) -> BundleEntry:
+    """An entry of a dtype we cannot hold, checked as far as it can be (its bytes lie in
+    its shard), so that the checkpoint can be listed and its other values read."""
+    if proto.shape.unknown_rank or len(proto.shape.dim) > _MAX_RANK or \
+            any(d.size < 0 for d in proto.shape.dim):
+        raise DataLossError(f"{where}: invalid shape")
+    if not 0 <= proto.shard_id < len(shards) or proto.offset < 0 or proto.size < 0:
+        raise DataLossError(f"{where}: shard {proto.shard_id}, offset {proto.offset} or size "
+                            f"{proto.size} is invalid")
+    file_size = _shard_size(shards, proto.shard_id, sizes, where)
+    if proto.offset + proto.size > file_size:
+        raise DataLossError(f"{where}: bytes beyond the end of {shards[proto.shard_id]}")
+    return BundleEntry(key, proto.dtype, np.dtype("V1"), tuple(int(d.size) for d in
+                       proto.shape.dim), shards[proto.shard_id], int(proto.offset),
+                       int(proto.size), int(proto.crc32c), _REFUSED[proto.dtype])
+
+
+def refusal(entry: BundleEntry, where: str = "") -> InvalidArgumentError:
+    """The error for reading an entry of a dtype we cannot hold, naming it."""
+    return InvalidArgumentError(f"{where or entry.file}: key {entry.key!r}: TensorFlow dtype "
+                                f"{entry.refused} is not supported (numbers, bool, bfloat16, "
+                                f"float8 and strings are); it is listed but cannot be read")
+
+
 # -- values -------------------------------------------------------------------------------
 def read_value(entry: BundleEntry) -> np.ndarray:
     """Read and decode ``entry`` from its shard (this process alone)."""
+    if entry.refused:
+        raise refusal(entry)
     buffer = bytearray(entry.size)
     view = memoryview(buffer)
     with open(entry.file, "rb", buffering=0) as handle:
@@ -262,6 +293,8 @@ def decode_value(entry: BundleEntry, raw) -> np.ndarray:
 
     Numbers are a view of ``raw`` when it is writable (a ``bytearray`` or NumPy buffer).
     """
+    if entry.refused:
+        raise refusal(entry)
     where = f"{entry.file}, key {entry.key!r}"
     if len(raw) != entry.size:
         raise DataLossError(f"{where}: {len(raw)} bytes read, {entry.size} expected")

@@ -3,7 +3,7 @@
 Needs TensorFlow, which the tests do not: run it from a separate environment,
 
     python3 -m venv /work/tfvenv && /work/tfvenv/bin/pip install tensorflow-cpu==2.21.0
-    /work/tfvenv/bin/python tests/data/make_tf_fixtures.py
+    /work/tfvenv/bin/python tests/data/make_tf_fixtures.py [NAME ...]   # NAME: one fixture
 
 It writes, each beside a JSON of what TensorFlow itself reported when reading the files back
 (so the tests compare bit for bit without TensorFlow):
@@ -16,6 +16,8 @@ It writes, each beside a JSON of what TensorFlow itself reported when reading th
 * ``slots/``: a legacy ``tf.compat.v1`` Adam optimizer, whose slots are slot variables.
 * ``records/``: TFRecord files of ``tf.train.Example`` (plain, GZIP and ZLIB) with float,
   int64 and bytes features, fixed and variable length.
+* ``guide/``: the steps of TensorFlow's "Training checkpoints" guide (step, optimizer,
+  network and a tf.data iterator, whose state is a ``variant`` tensor), by a CheckpointManager.
 * ``values.json``: per checkpoint, every tensor key with dtype, shape and the bytes TensorFlow
   returned (hex; strings as hex each); per record file, every record's bytes and the values
   ``tf.io.parse_single_example`` gave.
@@ -197,15 +199,64 @@ def record_files(report: dict) -> None:
         }
 
 
+def guide_checkpoint(report: dict) -> None:
+    """The steps of TensorFlow's "Training checkpoints" guide: a step counter, an optimizer, a
+    Keras network and a tf.data iterator in one checkpoint, saved by a CheckpointManager
+    while training. The iterator's state is a ``variant`` tensor (TensorFlow's reader lists
+    it; its value is no array), reported by dtype and shape only."""
+    import keras
+    keras.utils.set_random_seed(5)
+
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.l1 = keras.layers.Dense(5)
+
+        def call(self, x):
+            return self.l1(x)
+
+    inputs = np.arange(40, dtype=np.float32).reshape(10, 4) / 10
+    dataset = tf.data.Dataset.from_tensor_slices(
+        {"x": inputs, "y": inputs[:, :1] * 3}).repeat(10).batch(2)
+    net, optimizer = Net(), keras.optimizers.Adam(0.1)
+    iterator = iter(dataset)
+    ckpt = tf.train.Checkpoint(step=tf.Variable(1), optimizer=optimizer, net=net,
+                               iterator=iterator)
+    manager = tf.train.CheckpointManager(ckpt, os.path.join(OUT, "guide"), max_to_keep=3)
+    for _ in range(4):
+        example = next(iterator)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.abs(net(example["x"]) - example["y"]))
+        variables = net.trainable_variables
+        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        ckpt.step.assign_add(1)
+        path = manager.save()
+    reader = tf.train.load_checkpoint(path)
+    dtypes, shapes = reader.get_variable_to_dtype_map(), reader.get_variable_to_shape_map()
+    entries = {}
+    for key in sorted(dtypes):
+        if dtypes[key] == tf.variant:
+            entries[key] = {"dtype": "variant", "shape": list(shapes[key])}
+            continue
+        entries[key] = dict(_tensor_json(reader.get_tensor(key)), dtype=dtypes[key].name)
+    report["guide/" + os.path.basename(path)] = entries
+
+
+FIXTURES = {"module": module_checkpoints, "keras": keras_checkpoint, "slots": slot_checkpoint,
+            "records": record_files, "guide": guide_checkpoint}
+
+
 def main() -> int:
-    if os.path.exists(OUT):
+    only = sys.argv[1:]   # fixture names: write (or rewrite) those alone, keep the others
+    if not only and os.path.exists(OUT):
         shutil.rmtree(OUT)
-    os.makedirs(OUT)
-    report = {"tensorflow": tf.__version__}
-    module_checkpoints(report)
-    keras_checkpoint(report)
-    slot_checkpoint(report)
-    record_files(report)
+    os.makedirs(OUT, exist_ok=True)
+    path = os.path.join(OUT, "values.json")
+    report = json.load(open(path)) if only and os.path.exists(path) else {}
+    report["tensorflow"] = tf.__version__
+    for name in only or FIXTURES:
+        shutil.rmtree(os.path.join(OUT, name), ignore_errors=True)
+        FIXTURES[name](report)
     with open(os.path.join(OUT, "values.json"), "w") as handle:
         json.dump(report, handle, sort_keys=True, separators=(",", ":"))
         handle.write("\n")

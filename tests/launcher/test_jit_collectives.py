@@ -69,3 +69,55 @@ def test_jitted_aggregation_in_order_at_three_ranks_on_one_cpu(launch):
     for words in _outcomes(done, 3):
         assert words[3] == "[6.0]", done
         assert float(words[5]) == float(words[7]) == -120.0, done
+
+
+HANG = """
+import sys, time
+import numpy as np
+import jax, jax.numpy as jnp, optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import mpistrat as ms
+strategy = ms.MultiWorkerMirroredStrategy()
+rank = ms.runtime.get_world().rank
+tx = optax.chain(ms.nn.aggregate_gradients(strategy, "SUM"), optax.sgd(1.0))
+params = {"w": jnp.zeros((), jnp.float32)}
+state = tx.init(params)
+mesh = Mesh(np.array(jax.devices()), ("d",))
+big = jax.device_put(jnp.ones((64, 64), jnp.float32), NamedSharding(mesh, P("d")))
+
+@jax.jit
+def step(params, state, big):
+    grads = jax.grad(lambda p: p["w"] * 2.0 + 0.0 * jnp.sum(big))(params)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+params, state = step(params, state, big)
+say("rank", rank, "first step", float(params["w"]))
+if rank == 1 and sys.argv[1] == "stall":
+    time.sleep(600)                    # never joins the next step's gradient all-reduce
+if rank == 1 and sys.argv[1] == "exit":
+    sys.exit(0)                        # leaves the job instead
+params, state = step(params, state, big)
+say("unreachable")
+"""
+
+
+@pytest.mark.parametrize("how", ["stall", "exit"])
+def test_a_callback_waiting_for_a_rank_that_never_comes_ends_the_job_by_name(launch, how):
+    """Inside the host callback the collective still honours the timeout (a stalled rank:
+    DeadlineExceededError naming the all-reduce) and the health check (a rank that left:
+    UnavailableError naming it and the callback's collective); never a silent hang."""
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "MPISTRAT_HEALTH_LEAVE_GRACE": "1"}
+    if how == "stall":
+        env["MPISTRAT_COLLECTIVE_TIMEOUT"] = "5"
+    done = launch(2, HANG, how, limit=90, env=env)
+    assert done.returncode not in (0, 124), done
+    assert "unreachable" not in done.output and "rank 0 first step -4.0" in done.output, done
+    if how == "stall":
+        assert "DeadlineExceededError: all_reduce SUM" in done.output, done
+        assert "on rank 0: another rank did not join it" in done.output, done
+    else:
+        assert "UnavailableError: rank 1/2" in done.output, done
+        assert "left the job" in done.output and "_Aggregation.host" in done.output, done
+    assert done.seconds < 60, done

@@ -49,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from mpistrat.keras_callbacks import for_fit
+
 __all__ = ["distribute_model", "install", "mirror_weights", "on_scope"]
 
 _INSTALLED = False
@@ -358,8 +360,7 @@ def distribute_model(model: Any, strategy: Any) -> Any:
             validation_data = share(vx, vy, vw, vbatch, False)[0]
             kwargs.pop("validation_batch_size", None)
         x, y, sample_weight, batch_size = share(x, y, sample_weight, batch_size, shuffle)
-        if not getattr(model, "_mpistrat_mirrored", False):   # (unbuilt at compile)
-            callbacks = [_Mirror(model, strategy)] + list(callbacks or [])
+        callbacks = for_fit(model, strategy, callbacks, mirror_weights)
         return cls.fit(model, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                        callbacks=callbacks, validation_data=validation_data, shuffle=False,
                        class_weight=class_weight, sample_weight=sample_weight, **kwargs)
@@ -401,22 +402,6 @@ def distribute_model(model: Any, strategy: Any) -> Any:
         model._mpistrat_mirrored = True
     del keras
     return model
-
-
-class _Mirror:
-    """A Keras callback: rank 0's weights on every rank when ``fit`` starts (the model is
-    built by then), for a model that was not built when it was compiled."""
-
-    def __new__(cls, model, strategy):
-        import keras
-
-        class Mirror(keras.callbacks.Callback):
-            def on_train_begin(self, logs=None):
-                if not getattr(model, "_mpistrat_mirrored", False):
-                    mirror_weights(model, strategy)
-                    model._mpistrat_mirrored = True
-
-        return Mirror()
 
 
 def _register() -> None:

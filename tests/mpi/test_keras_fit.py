@@ -313,3 +313,28 @@ def test_validation_split_holds_out_the_last_rows_as_one_process_does(world):
     for got, expected in zip(weights(model), weights(single)):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     same_on_every_rank(strategy, weights(model))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_callbacks_that_write_files_write_once_from_rank_0(world, shared_dir):
+    """Before, ModelCheckpoint on every rank failed with HDF5's 'unable to lock file, errno =
+    11', and CSVLogger wrote each line once per rank."""
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x, y = data()
+    with strategy.scope():
+        model = build()
+    weights_file = os.path.join(shared_dir, "best.weights.h5")
+    log_file = os.path.join(shared_dir, "log.csv")
+    callbacks = [keras.callbacks.ModelCheckpoint(weights_file, save_weights_only=True),
+                 keras.callbacks.CSVLogger(log_file)]
+    model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0, callbacks=callbacks)
+    assert os.path.exists(weights_file)                      # complete when fit returns
+    with open(log_file) as f:
+        lines = f.read().splitlines()
+    assert lines[0].startswith("epoch") and [line.split(",")[0] for line in lines[1:]] == \
+        ["0", "1", "2"], lines
+    with strategy.scope():
+        loaded = build()
+    loaded.load_weights(weights_file)
+    for got, want in zip(weights(loaded), weights(model)):
+        np.testing.assert_array_equal(got, want)

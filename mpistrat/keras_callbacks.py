@@ -1,0 +1,71 @@
+"""Keras callbacks in ``fit`` under a strategy: the same weights on every rank when training
+starts, and callbacks that write files writing once, from rank 0.
+
+Every rank runs the same ``fit``, so a callback given to it runs on every rank.
+``ModelCheckpoint`` and ``CSVLogger`` would then write the same file from every rank at
+once (HDF5's lock refuses the second writer: ``unable to lock file, errno = 11``; a CSV gets
+its lines several times). ``for_fit`` hands Keras these callbacks wrapped so that they run on
+rank 0 alone, and every rank waits for rank 0 at the end of training, so the files are
+complete when ``fit`` returns anywhere. The other callbacks run on every rank as given::
+
+    model.fit(x, y, callbacks=[keras.callbacks.ModelCheckpoint("best.keras",
+                                                               save_best_only=True)])
+"""
+
+from typing import Any, Callable, List, Optional, Sequence
+
+__all__ = ["for_fit", "RANK_ZERO_CALLBACKS"]
+
+RANK_ZERO_CALLBACKS = ("ModelCheckpoint", "CSVLogger")   # Keras callbacks that write files
+_HOOKS = ("on_epoch_begin", "on_epoch_end", "on_train_begin", "on_train_end",
+          "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
+          "on_test_batch_begin", "on_test_batch_end", "on_predict_begin", "on_predict_end",
+          "on_predict_batch_begin", "on_predict_batch_end")
+
+
+def _writes_files(callback) -> bool:
+    return any(type(callback).__name__ == name or
+               any(base.__name__ == name for base in type(callback).__mro__)
+               for name in RANK_ZERO_CALLBACKS)
+
+
+def for_fit(model: Any, strategy: Any, callbacks: Optional[Sequence],
+            mirror: Callable) -> List:
+    """The callbacks ``fit`` runs: a first one that mirrors rank 0's weights when training
+    starts (for a model built only by ``fit``), then the user's, file writers on rank 0."""
+    import keras
+    engine, rank = strategy.extended.engine, strategy.extended.engine.rank
+
+    class Mirror(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            if not getattr(model, "_mpistrat_mirrored", False):
+                mirror(model, strategy)
+                model._mpistrat_mirrored = True
+
+    class OnRankZero(keras.callbacks.Callback):
+        """``inner`` on rank 0 alone; every rank meets at the end of training."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def set_model(self, model_):
+            super().set_model(model_)
+            self.inner.set_model(model_)
+
+        def set_params(self, params):
+            super().set_params(params)
+            self.inner.set_params(params)
+
+    def delegate(name):
+        def hook(self, *args, **kwargs):
+            if rank == 0:
+                getattr(self.inner, name)(*args, **kwargs)
+            if name == "on_train_end":
+                engine.barrier()   # the files are complete when fit returns on any rank
+        return hook
+
+    for name in _HOOKS:
+        setattr(OnRankZero, name, delegate(name))
+    given = [OnRankZero(c) if _writes_files(c) else c for c in (callbacks or [])]
+    return [Mirror()] + given

@@ -227,7 +227,8 @@ def _refuse_sum_reduction(model: Any) -> None:
                                        is_leaf=lambda v: hasattr(v, "reduction"))
     for loss in losses:
         if getattr(loss, "reduction", None) == "sum":
-            raise ValueError(f"model.fit under a strategy: the loss {getattr(loss, 'name', loss)!r} "
+            name = getattr(loss, "name", loss)
+            raise ValueError(f"model.fit under a strategy: the loss {name!r} "
                              f"has reduction='sum', which is not supported here (its gradient "
                              f"and logged loss would differ from one process's); use the default "
                              f"'sum_over_batch_size', or write the step with "

@@ -4,8 +4,9 @@
 the same shape and dtype for arrays and variables, a scalar of the right kind for numbers,
 else ``ValueError`` naming the object path. ``agree_plan`` runs those checks on every rank
 and agrees them, with the set of values to read, before a collective read: a mismatch on
-one rank raises on every rank instead of leaving the others in the read. ``read_batches`` groups the paths of a restore
-into batches of about 64 MiB, so a restore holds little beyond the state itself.
+one rank raises on every rank instead of leaving the others in the read. ``read_batches``
+groups the paths of a restore into batches of about 64 MiB, so a restore holds little beyond
+the state itself.
 
     >>> import numpy as np
     >>> from mpistrat.checkpoint.graph import collect_slots

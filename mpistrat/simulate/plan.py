@@ -25,7 +25,7 @@ from mpistrat.simulate.platform import NETWORKS
 
 __all__ = ["main", "parse_tensors", "build_parser", "render"]
 
-MAX_GRADIENT_BYTES = 1e15   # a petabyte of gradient: beyond any model, and what the simulation holds
+MAX_GRADIENT_BYTES = 1e15   # a petabyte of gradient: beyond any model; what the simulation holds
 
 _ITEMSIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
               "int16": 2, "int8": 1, "uint8": 1}
@@ -109,8 +109,8 @@ def _check(args) -> None:
     if args.leaf_nodes < 1 or args.group_nodes < 1:
         problems.append("--leaf-nodes and --group-nodes must be 1 or more")
     if args.gradient_bytes is not None and not 4 <= args.gradient_bytes <= MAX_GRADIENT_BYTES:
-        problems.append(f"--gradient-bytes must be from 4 (one float32) to {MAX_GRADIENT_BYTES:.0e}"
-                        f" (a petabyte), got {args.gradient_bytes}")
+        problems.append(f"--gradient-bytes must be from 4 (one float32) to "
+                        f"{MAX_GRADIENT_BYTES:.0e} (a petabyte), got {args.gradient_bytes}")
     if args.compute_seconds is not None and not (args.compute_seconds > 0 and
                                                  math.isfinite(args.compute_seconds)):
         problems.append(f"--compute-seconds must be positive, got {args.compute_seconds}")

@@ -48,7 +48,7 @@ from mpistrat.checkpoint.directory import (io_engine, latest_checkpoint, prepare
                                            record_latest, restore_target)
 from mpistrat.checkpoint.frameworks import install_build_hook
 from mpistrat.checkpoint.files import data_file, local_view, missing_hint
-from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots
+from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots, required_paths
 from mpistrat.checkpoint.matching import (agree_plan, check_compatible as _check_compatible,
                                           fit_to_slot, read_batches)
 from mpistrat.checkpoint.h5read import Reader, read_catalog, read_entry, read_values
@@ -303,7 +303,7 @@ class Checkpoint:
         pending = {p: e for p, e in catalog.items() if p not in matched}
         object.__setattr__(self, "_pending", pending)
         saved = set(catalog)
-        status = CheckpointLoadStatus(final, matched, pending, set(slots) - saved,
+        status = CheckpointLoadStatus(final, matched, pending, required_paths(slots) - saved,
                                       lambda: self._refresh(saved))
         object.__setattr__(self, "_status", status)
         self._hook_unbuilt(slots)
@@ -353,7 +353,7 @@ class Checkpoint:
             self._apply_pending()
         if saved is None:
             return None
-        return set(collect_slots(self._named())) - saved
+        return required_paths(collect_slots(self._named())) - saved
 
     def _apply_pending(self, named: Optional[Dict[str, Any]] = None) -> None:
         """Values restored earlier for objects that appeared since (anywhere in the graph):

@@ -64,7 +64,8 @@ import numpy as np
 from mpistrat.checkpoint import frameworks, pytrees
 from mpistrat.distribute.variables import Variable
 
-__all__ = ["Slot", "SlotMap", "collect_slots", "check_segment", "check_path"]
+__all__ = ["Slot", "SlotMap", "collect_slots", "required_paths", "check_segment",
+           "check_path"]
 
 _SEGMENT = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _NUMBERS = (bool, int, float, np.number, np.bool_)
@@ -128,6 +129,17 @@ class _Walk:
 
     def refuse(self, path: str, obj: Any, why: str) -> None:
         self.refused.append(f"{path!r} ({type(obj).__module__}.{type(obj).__qualname__}: {why})")
+
+
+def required_paths(slots) -> set:
+    """The slot paths a checkpoint should hold: all but the state keys their owner declares
+    optional (``_optional_tensors()``: keys added after checkpoints were saved without them,
+    such as a dataset iterator's pipeline fingerprint), so an older checkpoint is complete."""
+    def optional(slot) -> bool:
+        declare = getattr(slot.owner, "_optional_tensors", None)
+        return slot.kind == "state" and declare is not None and \
+            slot.path.rsplit("/", 1)[-1] in declare()
+    return {path for path, slot in slots.items() if not optional(slot)}
 
 
 def collect_slots(named: Dict[str, Any], assign: Optional[Callable[[str, Any], None]] = None,

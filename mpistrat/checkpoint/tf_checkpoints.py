@@ -34,7 +34,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.checkpoint.files import state_name
-from mpistrat.checkpoint.graph import collect_slots
+from mpistrat.checkpoint.graph import collect_slots, required_paths
 from mpistrat.checkpoint.matching import agree_plan
 from mpistrat.checkpoint.state_file import read_state
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
@@ -338,7 +338,7 @@ def restore_tensorflow(checkpoint, prefix: str, engine, check):
         for batch in read_collective(wanted, engine):
             matched |= checkpoint._apply(slots, batch, prefix)  # applied as read
     values.unmatched -= {found[p] for p in matched}
-    missing = set(slots) - set(found)
+    missing = required_paths(slots) - set(found)
     if "save_counter" not in values.by_path:  # TensorFlow makes it on the first save()
         missing.discard("save_counter")
     return matched, values, missing

@@ -228,10 +228,14 @@ class DistributedIterator:
         return regroup(element, None, self._replica_ids)
 
     # -- the checkpoint state protocol -------------------------------------------------------
+    def _optional_tensors(self) -> frozenset:
+        """State keys a checkpoint may lack (saved before they existed): not missing there."""
+        return frozenset(f"pipeline_{part}" for part in self._fingerprint())
+
     def _fingerprint(self) -> dict:
         """This pipeline's ``fingerprint.pipeline_parts``, made once (the pipeline is fixed)."""
-        if self._parts is None:
-            node = _node_of(self._layout)
+        if self._parts is None:   # (per-rank pipelines differ by design: none for them)
+            node = None if self._layout.policy == "FUNCTION" else _node_of(self._layout)
             self._parts = pipeline_parts(node) if node is not None else {}
         return self._parts
 
@@ -247,15 +251,6 @@ class DistributedIterator:
 
     def _restore_from_tensors(self, tensors):
         steps = int(tensors["steps"])
-        saved_parts = {key[len("pipeline_"):]: int(value) for key, value in tensors.items()
-                       if key.startswith("pipeline_")}   # (none in checkpoints before them)
-        changes = changed_parts(saved_parts, self._fingerprint())
-        if changes:
-            raise ValueError(
-                f"cannot resume this dataset iterator: its pipeline differs from the one whose "
-                f"position was saved, in {'; '.join(changes)}. Resuming would skip or repeat "
-                f"rows. Build the pipeline as it was when saved, or restore without the "
-                f"iterator (leave it out of the Checkpoint) to start its input afresh")
         if "epoch" in tensors:        # (older checkpoints hold the step count alone)
             saved = {code: name for name, code in POLICY_CODES.items()}.get(
                 int(tensors["policy"]), str(int(tensors["policy"])))
@@ -266,6 +261,16 @@ class DistributedIterator:
                     f"at {self._engine.size} ranks the dataset is sharded by "
                     f"{_policy_text(self._layout.policy)}: its position does not carry over; "
                     f"set options.experimental_distribute.auto_shard_policy explicitly")
+        saved_parts = {key[len("pipeline_"):]: int(value) for key, value in tensors.items()
+                       if key.startswith("pipeline_")}   # (none in checkpoints before them)
+        changes = changed_parts(saved_parts, self._fingerprint())
+        if changes:
+            raise ValueError(
+                f"cannot resume this dataset iterator: its pipeline differs from the one whose "
+                f"position was saved, in {'; '.join(changes)}. Resuming would skip or repeat "
+                f"rows. Build the pipeline as it was when saved, or restore without the "
+                f"iterator (leave it out of the Checkpoint) to start its input afresh")
+        if "epoch" in tensors:
             steps = layouts.resume_step(saved, steps, ranks, self._engine.size)
             self._epoch, self._seed = int(tensors["epoch"]), int(tensors["seed"])
             self._dataset._epochs = self._epoch + 1

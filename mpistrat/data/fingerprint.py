@@ -92,7 +92,7 @@ def changed_parts(saved: Mapping[str, int], now: Mapping[str, int]) -> List[str]
 
     changes = []
     for part in PARTS:
-        if part not in saved or int(saved[part]) == int(now[part]):
+        if part not in saved or part not in now or int(saved[part]) == int(now[part]):
             continue
         old, new = int(saved[part]), int(now[part])
         changes.append({

@@ -46,7 +46,7 @@ from mpi4py import MPI
 
 from mpistrat.runtime import settings, wait_sites
 from mpistrat.runtime.peer_links import (Link, accept_ranks, dial, listen, local_addresses,
-                                         tune, valid_message)
+                                         short, tune, valid_message)
 
 __all__ = ["HealthCheck", "start", "current", "announce_abort", "EXIT_CODE"]
 
@@ -248,7 +248,7 @@ class HealthCheck:
         if self.rank == 0:             # tell every rank, let them print, then abort
             for link in list(self._links.values()):
                 try:
-                    link.send({"t": "end", "cause": cause})
+                    link.send({"t": "end", "cause": short(cause)})
                 except OSError:
                     self._drop(link)
             self._await_closes(time.monotonic() + END_SECONDS)
@@ -256,7 +256,7 @@ class HealthCheck:
             hub = self._links.get(0)
             if hub is not None and not told:
                 try:
-                    hub.send({"t": "abort", "cause": cause})   # rank 0 tells the others
+                    hub.send({"t": "abort", "cause": short(cause)})   # rank 0 tells the others
                 except OSError:
                     hub = None
             for link in list(self._links.values()):
@@ -294,9 +294,9 @@ class HealthCheck:
                else "it exited normally")
         try:
             if self.rank == 0:
-                self._relay([[0, why]], self._unrelayed)
+                self._relay([[0, short(why)]], self._unrelayed)
             elif 0 in self._links:
-                self._links[0].send({"t": "leave", "why": why})
+                self._links[0].send({"t": "leave", "why": short(why)})
         except OSError:
             pass
         self.close()
@@ -351,7 +351,7 @@ def announce_abort(text: str) -> None:
         cause = f"{check.name(check.rank)} ended the job: {text}"
         for link in list(check._links.values()):
             try:
-                link.send({"t": "end" if check.rank == 0 else "abort", "cause": cause})
+                link.send({"t": "end" if check.rank == 0 else "abort", "cause": short(cause)})
             except OSError:
                 pass
 

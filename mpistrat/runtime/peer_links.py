@@ -29,9 +29,11 @@ import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["Link", "local_addresses", "tune", "listen", "accept_ranks", "dial",
-           "valid_message", "MAX_MESSAGE_BYTES", "HELLO_BYTES"]
+           "valid_message", "short", "MAX_MESSAGE_BYTES", "MAX_TEXT", "HELLO_BYTES"]
 
-MAX_MESSAGE_BYTES = 1 << 16   # a longer line is no message of ours
+MAX_MESSAGE_BYTES = 1 << 24   # a longer line is no message of ours (a relay of 100,000
+                              # leaves with their causes, each cut to MAX_TEXT, fits)
+MAX_TEXT = 2000               # a cause or a leave's reason is cut to this many characters
 HELLO_BYTES = 256             # a hello is one line of exactly this length (padded), so
                               # rank 0 never reads past it into the rank's first message
 
@@ -84,6 +86,11 @@ class Link:
         if len(self.buffer) > MAX_MESSAGE_BYTES or any(len(x) > MAX_MESSAGE_BYTES for x in lines):
             raise ValueError(f"a message over {MAX_MESSAGE_BYTES} bytes")
         return [json.loads(line) for line in lines if line]
+
+
+def short(text: str) -> str:
+    """``text`` cut to ``MAX_TEXT`` characters (a cause may embed a whole traceback)."""
+    return text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + " ... (cut)"
 
 
 def valid_message(message) -> bool:
@@ -178,7 +185,14 @@ def accept_ranks(listeners: Sequence[socket.socket], token: str, size: int,
                 if key.data is None:              # a listener: a new connection
                     try:
                         sock, peer = key.fileobj.accept()
-                    except OSError:
+                    except OSError:               # (out of descriptors: never spin on it)
+                        time.sleep(0.01)
+                        continue
+                    if len(waiting.get_map()) - len(listeners) >= 4 * size + 64:
+                        sock.close()              # (a flood of connections saying nothing)
+                        warnings.warn(f"mpistrat health check: rank 0 dropped a connection "
+                                      f"from {peer[0]}:{peer[1]}: too many connections "
+                                      f"without a hello", stacklevel=2)
                         continue
                     sock.setblocking(False)
                     waiting.register(sock, selectors.EVENT_READ, [b"", peer])

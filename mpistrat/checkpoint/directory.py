@@ -26,7 +26,7 @@ from mpistrat.checkpoint.files import data_file, local_view, remove_leftovers, s
 from mpistrat.checkpoint.same_path import agree_view_at
 from mpistrat.checkpoint.state_file import STATE_FILE, CheckpointState, read_state, write_state
 from mpistrat.collectives import CollectiveEngine
-from mpistrat.collectives.agreement import Failure, agree_errors
+from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.errors import DataLossError, NotFoundError
 from mpistrat.runtime import get_world
 from mpistrat.tfformats.bundle import is_bundle
@@ -137,7 +137,7 @@ def restore_target(path: str) -> str:
     (``NotFoundError``); any other path itself."""
     if path.endswith(".index") and is_bundle(path[:-len(".index")]):
         return path[:-len(".index")]
-    if os.path.isdir(path):
+    if agree_view(io_engine(), os.path.isdir(path), f"whether {path} is a directory"):
         latest = latest_checkpoint(path)
         if latest is None:
             raise NotFoundError(f"no checkpoint in directory {path} (its state file "

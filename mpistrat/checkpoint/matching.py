@@ -111,7 +111,7 @@ def agree_plan(engine, slots: Dict[str, Slot], wanted: Dict[str, object], source
     for path, entry in sorted(wanted.items()):
         try:
             check(slots[path], entry, path, source)
-        except ValueError as err:
+        except Exception as err:  # noqa: BLE001 - agreed below, then raised on every rank
             failure = Failure(err, engine.rank)
             break
     agree_errors(engine, failure, f"restoring {source}",

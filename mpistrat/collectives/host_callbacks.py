@@ -53,8 +53,10 @@ def inside() -> bool:
 
 
 def settle() -> None:
-    """Wait for every host callback dispatched so far, unless none was ever traced or this
-    thread is running one (each collective's entry calls this before its first MPI call)."""
-    if TRACED[0] and not inside():
+    """Wait for every host callback dispatched so far, unless none was ever traced, or this
+    is not the program's main thread (a callback's own thread, a user's ``io_callback``, the
+    checkpoint writer: waiting there could wait for itself). Each collective's entry calls
+    this before its first MPI call."""
+    if TRACED[0] and not inside() and threading.current_thread() is threading.main_thread():
         import jax
         jax.effects_barrier()

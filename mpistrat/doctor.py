@@ -181,17 +181,33 @@ def _facts(world) -> Dict:
                 "SLURM_MPI_TYPE", "SLURM_JOB_PARTITION")} or None}
 
 
+def _minimal_facts(world, err: BaseException) -> Dict:
+    """What a rank reports when its full facts could not be gathered (a broken import)."""
+    return {"rank": world.rank, "size": world.size, "host": world.hostname,
+            "nodes": world.num_nodes, "launcher_size": _launcher_size(),
+            "mpi": f"unknown ({type(err).__name__}: {err})", "gpus": [], "device": "?",
+            "cuda_aware_mpi": None, "nccl": None, "h5py": "?", "hdf5": "?", "h5py_mpi": False,
+            "slurm": None}
+
+
 def doctor(directory: str) -> Optional[List[Dict]]:
     """Run every check (collective); rank 0 gets the rows ``{check, status, found, fix}``,
     the other ranks ``None``."""
     import mpistrat as ms
     from mpistrat.runtime import get_world
     world = get_world()
-    fact = _facts(world)
+    try:   # (a rank that cannot answer still reaches every gather below: no hang)
+        fact = _facts(world)
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        fact = _minimal_facts(world, err)
     launch = judge_launch(fact)
     facts = world.comm.gather(fact, root=0)
-    strategy = ms.MultiWorkerMirroredStrategy()
-    collectives = _collectives(strategy, world)
+    try:
+        collectives = _collectives(ms.MultiWorkerMirroredStrategy(), world)
+    except Exception as err:  # noqa: BLE001 - a collective timed out or failed here
+        collectives = ("fail", f"{type(err).__name__}: {err}",
+                       "a rank is unreachable or MPI failed: run python -m mpistrat info, and "
+                       "see docs/troubleshooting.md")
     checkpoint = _checkpoint(directory, world)
     results = world.comm.gather((launch, collectives, checkpoint), root=0)
     if world.rank != 0:

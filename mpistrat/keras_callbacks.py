@@ -5,8 +5,9 @@ Every rank runs the same ``fit``, so a callback given to it runs on every rank.
 ``ModelCheckpoint`` and ``CSVLogger`` would then write the same file from every rank at
 once (HDF5's lock refuses the second writer: ``unable to lock file, errno = 11``; a CSV gets
 its lines several times). ``for_fit`` hands Keras these callbacks wrapped so that they run on
-rank 0 alone, and every rank waits for rank 0 at the end of training, so the files are
-complete when ``fit`` returns anywhere. The other callbacks run on every rank as given::
+rank 0 alone; every rank meets rank 0 at the end of each epoch and of training, so the
+files are complete when ``fit`` returns anywhere, and a failure there (a full disk) raises
+on every rank. The other callbacks run on every rank as given::
 
     model.fit(x, y, callbacks=[keras.callbacks.ModelCheckpoint("best.keras",
                                                                save_best_only=True)])
@@ -34,6 +35,7 @@ def for_fit(model: Any, strategy: Any, callbacks: Optional[Sequence],
     """The callbacks ``fit`` runs: a first one that mirrors rank 0's weights when training
     starts (for a model built only by ``fit``), then the user's, file writers on rank 0."""
     import keras
+    from mpistrat.collectives.agreement import Failure, agree_errors
     engine, rank = strategy.extended.engine, strategy.extended.engine.rank
 
     class Mirror(keras.callbacks.Callback):
@@ -43,11 +45,13 @@ def for_fit(model: Any, strategy: Any, callbacks: Optional[Sequence],
                 model._mpistrat_mirrored = True
 
     class OnRankZero(keras.callbacks.Callback):
-        """``inner`` on rank 0 alone; every rank meets at the end of training."""
+        """``inner`` on rank 0 alone; every rank meets at the end of training. A failure of
+        ``inner`` (a full disk) is held and raised on every rank at the end of the epoch, so
+        the others never wait in the next step for a rank 0 that left ``fit``."""
 
         def __init__(self, inner):
             super().__init__()
-            self.inner = inner
+            self.inner, self.failure = inner, None
 
         def set_model(self, model_):
             super().set_model(model_)
@@ -59,10 +63,14 @@ def for_fit(model: Any, strategy: Any, callbacks: Optional[Sequence],
 
     def delegate(name):
         def hook(self, *args, **kwargs):
-            if rank == 0:
-                getattr(self.inner, name)(*args, **kwargs)
-            if name == "on_train_end":
-                engine.barrier()   # the files are complete when fit returns on any rank
+            if rank == 0 and self.failure is None:
+                try:
+                    getattr(self.inner, name)(*args, **kwargs)
+                except Exception as err:  # noqa: BLE001 - agreed below, raised on every rank
+                    self.failure = Failure(err, 0, f"{type(self.inner).__name__}.{name}")
+            if name in ("on_epoch_end", "on_train_end"):   # (every rank: the files are
+                agree_errors(engine, self.failure,           # complete, or all raise)
+                             f"a callback that runs on rank 0 ({type(self.inner).__name__})")
         return hook
 
     for name in _HOOKS:

@@ -174,8 +174,12 @@ def _is_arrays(x) -> bool:
         "jax") for leaf in leaves)
 
 
-def _floating(value) -> bool:
-    return np.issubdtype(np.dtype(value.dtype), np.floating)
+def _statistics(model) -> list:
+    """Per non-trainable variable: whether it is a running statistic averaged over the ranks
+    (BatchNormalization's ``moving_mean`` and ``moving_variance``; a frozen layer's kernel is
+    non-trainable too, and is left alone)."""
+    return [v.name in ("moving_mean", "moving_variance") and
+            np.issubdtype(np.dtype(v.dtype), np.floating) for v in model.non_trainable_variables]
 
 
 def same_arrays_everywhere(strategy: Any, arrays) -> None:
@@ -191,7 +195,9 @@ def same_arrays_everywhere(strategy: Any, arrays) -> None:
     for leaf in leaves:
         rows = leaf.shape[0] if leaf.ndim else 0
         picks = np.unique(np.linspace(0, rows - 1, min(rows, 65)).astype(np.int64))
-        digest.update(np.ascontiguousarray(leaf[picks] if rows else leaf).tobytes())
+        sample = leaf[picks] if rows else leaf
+        digest.update(repr(sample.tolist()).encode() if sample.dtype.kind == "O"   # (strings:
+                      else np.ascontiguousarray(sample).tobytes())          # not pointers)
     view = ([f"{leaf.dtype}{list(leaf.shape)}" for leaf in leaves], digest.hexdigest())
     agree_view(strategy.extended.engine, view, "the arrays given to model.fit/evaluate "
                "(shapes and dtypes, a digest of their rows)", error=ValueError,
@@ -303,8 +309,8 @@ def distribute_model(model: Any, strategy: Any) -> Any:
         # float state (BatchNormalization's moving statistics): the mean over the ranks
         # with rows, the value TensorFlow reads and saves of its per-replica copies
         # (ON_READ, MEAN); so every rank holds the same state and a checkpoint takes it
-        floats = [jnp.where(present, v, jnp.zeros_like(v)) if _floating(v) else None
-                  for v in non_trainable]
+        floats = [jnp.where(present, v, jnp.zeros_like(v)) if averaged else None
+                  for v, averaged in zip(non_trainable, _statistics(model))]
         weighted, total_rows, deltas, floats, holders = reduce_sum(
             (weighted, weight, deltas, floats, jnp.asarray(float(present), jnp.float32)))
         non_trainable = [v if f is None else jnp.where(

@@ -338,3 +338,21 @@ def test_callbacks_that_write_files_write_once_from_rank_0(world, shared_dir):
     loaded.load_weights(weights_file)
     for got, want in zip(weights(loaded), weights(model)):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_failing_rank_0_callback_raises_on_every_rank(world, shared_dir):
+    """ModelCheckpoint cannot write (its directory is a regular file): rank 0's error is
+    raised on every rank at the end of the epoch, not left to hang the others."""
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x, y = data()
+    with strategy.scope():
+        model = build()
+    blocker = os.path.join(shared_dir, "not-a-directory")
+    if world.rank == 0:
+        open(blocker, "w").close()
+    world.comm.Barrier()
+    callback = keras.callbacks.ModelCheckpoint(os.path.join(blocker, "w.weights.h5"),
+                                               save_weights_only=True)
+    with pytest.raises(Exception, match=r"rank 0: ModelCheckpoint.on_epoch_end"):
+        model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[callback])

@@ -33,9 +33,9 @@ What changes for a compiled model (instance attributes; the Keras classes are un
 * Weights: a compile inside the scope gives every rank rank 0's values of the model's
   variables (or ``fit`` does, when the model is built only then), so ranks never train
   apart from different initial values, seeded or not (``mirror_weights``).
-* Float non-trainable state (BatchNormalization's moving statistics) is averaged over the
+* BatchNormalization's moving statistics (no other non-trainable state) are averaged over the
   ranks that had rows at each step (the mean TensorFlow reads and saves of its per-replica
-  copies), so it is the same on every rank and a checkpoint takes it.
+  copies), so they are the same on every rank and a checkpoint takes them.
 
 Not done: metrics whose state is not a sum (e.g. ``max``) are wrong. An ``ms``
 distributed dataset (``strategy.experimental_distribute_dataset``) is iterated afresh each

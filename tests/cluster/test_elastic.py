@@ -15,7 +15,7 @@ from .test_slurm_templates import _read, _wait_for
 
 pytestmark = pytest.mark.timeout(1200)
 TEMPLATE = ROOT / "slurm" / "train_elastic.sbatch"
-EPOCHS = 3
+EPOCHS = 12   # (the signals must land mid-training: an epoch here takes a tenth of a second)
 
 
 def _scontrol(cluster, *args):
@@ -33,7 +33,8 @@ def test_preempted_at_4_ranks_resumed_at_2_then_3_with_the_same_bits(cluster, tm
     job_id = done.stdout.strip().split(";")[0]
     text = lambda: _read(out)  # noqa: E731
     try:
-        _wait_for(lambda: re.search(r"epoch +1/3", text()), 300, "the first epoch at 4 ranks")
+        _wait_for(lambda: re.search(rf"epoch +1/{EPOCHS}", text()), 300,
+                  "the first epoch at 4 ranks")
         assert "4 ranks on 2 nodes" in text(), text()
         _scontrol(cluster, "update", "NodeName=node2", "State=DRAIN", "Reason=elastic-test")
         cluster.script("run", "head", "scancel", "--signal=USR1", "--batch", job_id)
@@ -41,7 +42,7 @@ def test_preempted_at_4_ranks_resumed_at_2_then_3_with_the_same_bits(cluster, tm
         # 2 nodes drained: the requeued job (1-3 nodes) restarts on node1 alone, 2 ranks
         _wait_for(lambda: "2 ranks on 1 nodes" in text(), 600, "the restart at 2 ranks")
         _wait_for(lambda: len(re.findall(r"^resumed from", text(), re.M)) == 1 and
-                  re.search(r"epoch +2/3", text()), 300, "an epoch at 2 ranks")
+                  re.search(rf"epoch +2/{EPOCHS}", text()), 300, "an epoch at 2 ranks")
         (run / "ranks_per_node").write_text("1\n")      # the next restarts: 1 rank per node
         _scontrol(cluster, "update", "NodeName=node[2-3]", "State=RESUME")
         cluster.script("run", "head", "scancel", "--signal=USR1", "--batch", job_id)

@@ -331,7 +331,15 @@ def restore_tensorflow(checkpoint, prefix: str, engine, check):
     slots = collect_slots(checkpoint._named(), checkpoint._assign)
     found = values.match(slots)
     wanted = {p: values.entry(t) for p, t in found.items()}
-    agree_plan(engine, slots, wanted, prefix, check)   # every rank raises, or none
+
+    def checked(slot, entry, path, source):   # (two keys that became one path: ambiguous)
+        if found[path] in values.collisions:
+            raise ValueError(f"cannot restore {path!r} from {source}: TensorFlow keys "
+                             f"{values.collisions[found[path]]} both become this object path "
+                             f"here, so which value it should take is ambiguous")
+        check(slot, entry, path, source)
+
+    agree_plan(engine, slots, wanted, prefix, checked)   # every rank raises, or none
     matched = set()
     with timeline.span("checkpoint restore", "checkpoint", file=os.path.basename(prefix),
                        nbytes=sum(e.size for e in wanted.values())):

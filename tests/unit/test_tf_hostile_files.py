@@ -309,6 +309,18 @@ def test_convert_refuses_two_tensorflow_keys_that_become_one_path(tmp_path):
     assert not (tmp_path / "ours" / "ckpt-1.h5").exists()
 
 
+def test_a_restore_onto_a_path_two_tensorflow_keys_become_is_refused(tmp_path):
+    """Before, the restore took whichever key came last, silently."""
+    prefix = str(tmp_path / "tf" / "ckpt-1")
+    os.makedirs(os.path.dirname(prefix))
+    _colliding_checkpoint(prefix)
+    target = {"b": np.full(2, 7.0, np.float32)}
+    with pytest.raises(ValueError, match=r"'a/b'.*both become this object path") as info:
+        ms.Checkpoint(a=target).restore(prefix)
+    assert "a.Sb" in str(info.value)
+    assert target["b"].tolist() == [7.0, 7.0]          # nothing was read into it
+
+
 def test_convert_onto_an_existing_directory_is_refused(tmp_path, prefix):
     """Before, it wrote hidden DST/.index and DST/.data files and exited 0."""
     from mpistrat.convert import convert

@@ -209,14 +209,10 @@ class TensorFlowValues:
         if graph is None:  # no object graph (TF1, or written by hand): keys are the paths
             self.by_path = {k[:-len(_VALUE)] if k.endswith(_VALUE) else k: k
                             for k in index.entries}
+            self.collisions: Dict[str, List[str]] = {}
         else:  # values the graph names but the index lacks (TensorFlow's sharded writes
             # leave out empty tensors) are not in the checkpoint
-            self.by_path = _paths_of(graph, index)
-        keys_of: Dict[str, set] = {}   # (a local name holding '/' spells another's path)
-        for value in (graph.values if graph is not None else ()):
-            if value.key in index.entries:
-                keys_of.setdefault(value.path, set()).add(value.key)
-        self.collisions = {p: sorted(k) for p, k in keys_of.items() if len(k) > 1}
+            self.by_path, self.collisions = _paths_of(graph, index)
         self.unmatched = set(self.by_path)
         names: Dict[str, List[str]] = {}
         for value in (graph.values if graph is not None else ()):
@@ -279,22 +275,29 @@ def read_graph(index: BundleIndex) -> Optional[ObjectGraph]:
                                                   f"{entry.file}, key {GRAPH_KEY!r}")
 
 
-def _paths_of(graph: ObjectGraph, index: BundleIndex) -> Dict[str, str]:
-    """Our path of each index key the graph names. An attribute whose saveable wrote several
-    tensors names their common prefix (a tf.data iterator's ``.ATTRIBUTES/ITERATOR`` is
-    stored as ``.ATTRIBUTES/ITERATOR_STATE``; a lookup table's as ``...-keys`` and
-    ``...-values``): each such key gets the attribute's path with the key's suffix."""
+def _paths_of(graph: ObjectGraph, index: BundleIndex):
+    """Our path of each index key the graph names, and the paths that several keys become
+    (a local name holding '/' spells another object's path: ``{path: [keys]}``). An
+    attribute whose saveable wrote several tensors names their common prefix (a tf.data
+    iterator's ``.ATTRIBUTES/ITERATOR`` is stored as ``.ATTRIBUTES/ITERATOR_STATE``; a
+    lookup table's as ``...-keys`` and ``...-values``): each such key gets the attribute's
+    path with the key's suffix."""
     keys = sorted(index.entries)
-    paths: Dict[str, str] = {}
+    keys_of: Dict[str, List[str]] = {}
     for value in graph.values:
         if value.key in index.entries:
-            paths[value.path] = value.key
-            continue
-        at = bisect.bisect_left(keys, value.key)
-        while at < len(keys) and keys[at].startswith(value.key):
-            paths[value.path + keys[at][len(value.key):]] = keys[at]
-            at += 1
-    return paths
+            named = [(value.path, value.key)]
+        else:
+            at = bisect.bisect_left(keys, value.key)
+            named = []
+            while at < len(keys) and keys[at].startswith(value.key):
+                named.append((value.path + keys[at][len(value.key):], keys[at]))
+                at += 1
+        for path, key in named:
+            if key not in keys_of.setdefault(path, []):
+                keys_of[path].append(key)
+    paths = {path: found[-1] for path, found in keys_of.items()}   # (the last, as before)
+    return paths, {p: sorted(k) for p, k in keys_of.items() if len(k) > 1}
 
 
 def _digest(index: BundleIndex) -> str:

@@ -250,17 +250,11 @@ def load_table(path: str, key: Mapping) -> TuningTable:
     return parse_file(text, key, path)
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def save_table(path: str, table: TuningTable) -> None:
     """Write ``table`` into ``path``, keeping the file's valid tables of other keys; the
     file is replaced atomically (a reader sees the old or the new one)."""
     others: Sequence[Dict] = []
-    mode = 0o666 & ~_umask()
+    mode = None   # (a new file keeps mkstemp's 0600; an existing one its own mode)
     try:
         info = os.lstat(path)
     except FileNotFoundError:
@@ -287,7 +281,8 @@ def save_table(path: str, table: TuningTable) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
-            os.fchmod(f.fileno(), mode)
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -164,6 +164,11 @@ def _hello(line: bytes, token: str, size: int, joined) -> Tuple[Optional[int], s
     return rank, ""
 
 
+def _dropped(peer, why: str) -> None:
+    warnings.warn(f"mpistrat health check: rank 0 dropped a connection from "
+                  f"{peer[0]}:{peer[1]}: {why}", stacklevel=3)
+
+
 def accept_ranks(listeners: Sequence[socket.socket], token: str, size: int,
                  seconds: float) -> Tuple[Dict[int, Link], Optional[str]]:
     """Rank 0: the links of ranks 1..size-1, each proved by its hello; connections that
@@ -190,9 +195,7 @@ def accept_ranks(listeners: Sequence[socket.socket], token: str, size: int,
                         continue
                     if len(waiting.get_map()) - len(listeners) >= 4 * size + 64:
                         sock.close()              # (a flood of connections saying nothing)
-                        warnings.warn(f"mpistrat health check: rank 0 dropped a connection "
-                                      f"from {peer[0]}:{peer[1]}: too many connections "
-                                      f"without a hello", stacklevel=2)
+                        _dropped(peer, "too many connections without a hello")
                         continue
                     sock.setblocking(False)
                     waiting.register(sock, selectors.EVENT_READ, [b"", peer])
@@ -216,8 +219,7 @@ def accept_ranks(listeners: Sequence[socket.socket], token: str, size: int,
                     rank, why = _hello(line, token, size, links)
                 if rank is None:
                     sock.close()
-                    warnings.warn(f"mpistrat health check: rank 0 dropped a connection from "
-                                  f"{peer[0]}:{peer[1]}: {why}", stacklevel=2)
+                    _dropped(peer, why)
                     continue
                 sock.setblocking(True)
                 links[rank] = Link(sock, rank)
@@ -225,8 +227,6 @@ def accept_ranks(listeners: Sequence[socket.socket], token: str, size: int,
         for key in list(waiting.get_map().values()):
             if key.data is not None:   # (a connection still without a hello)
                 key.fileobj.close()
-                warnings.warn(f"mpistrat health check: rank 0 dropped a connection from "
-                              f"{key.data[1][0]}:{key.data[1][1]}: no hello when the ranks "
-                              f"had joined", stacklevel=2)
+                _dropped(key.data[1], "no hello when the ranks had joined")
         waiting.close()
     return links, None

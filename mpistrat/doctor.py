@@ -111,8 +111,7 @@ def _collectives(strategy, world) -> Check:
 
 def _checkpoint(directory: str, world) -> Check:
     import mpistrat as ms
-    from mpistrat.runtime import get_world
-    token = get_world().comm.bcast(secrets.token_hex(4), root=0)
+    token = world.comm.bcast(secrets.token_hex(4), root=0)
     values = {"w": np.arange(world.size * 1000, dtype=np.float32) + 0.5,
               "step": np.int64(7)}
     prefix = os.path.join(directory, f"mpistrat-doctor-{token}")
@@ -127,7 +126,7 @@ def _checkpoint(directory: str, world) -> Check:
                 "(--dir); where several writers to one file are unsafe (NFS), set "
                 "MPISTRAT_CHECKPOINT_MODE=parts")
     finally:
-        get_world().comm.Barrier()
+        world.comm.Barrier()
         if world.rank == 0:   # (parts mode writes a part file per rank beside it)
             for name in glob.glob(glob.escape(prefix) + "*"):
                 os.remove(name)

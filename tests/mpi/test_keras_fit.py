@@ -51,6 +51,12 @@ def weights(model):
     return [np.asarray(v.value) for v in model.weights]
 
 
+def distributed(strategy, x, y):
+    """``(x, y)`` in global batches of ``BATCH``, each rank its slice."""
+    return strategy.experimental_distribute_dataset(
+        ms.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+
+
 def same_on_every_rank(strategy, values):
     for value in values:
         stacked = np.asarray(strategy.gather(np.asarray(value)[None], axis=0))
@@ -178,8 +184,7 @@ def test_fit_on_a_distributed_dataset_matches_arrays(world):
     x, y = data()
     with strategy.scope():
         model = build()
-    dataset = strategy.experimental_distribute_dataset(
-        ms.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+    dataset = distributed(strategy, x, y)
     history = model.fit(dataset, epochs=2, verbose=0)
     single, single_history = reference(epochs=2)
     for got, want in zip(weights(model), weights(single)):
@@ -275,10 +280,8 @@ def test_validation_data_may_be_a_distributed_dataset(world):
     x, y = data()
     with strategy.scope():
         model = build()
-    validation = strategy.experimental_distribute_dataset(
-        ms.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
     history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-                        validation_data=validation)
+                        validation_data=distributed(strategy, x, y))
     want = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
     np.testing.assert_allclose(history.history["val_loss"][-1], want["loss"], rtol=1e-5)
 

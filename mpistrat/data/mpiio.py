@@ -7,6 +7,11 @@ of an indexed datatype (one run: a plain ``Read_at``), so a rank reading its
 opened with ROMIO's data sieving off for reads (``romio_ds_read=disable``):
 sieving would read the whole span between the first and the last record.
 
+MPICH 4.0's ROMIO cannot decode a datatype built with MPI-4's large-count
+constructors, which mpi4py 4 always uses: a file view of one aborts the process
+("Out of memory in file adio/common/flatten.c", pmodels/mpich#6121, fixed in 4.1).
+There (``file_views_work``, pure) each run is one plain ``Read_at`` instead.
+
     >>> import numpy as np
     >>> from mpistrat.data.mpiio import runs_of
     >>> starts, lengths = runs_of(np.array([3, 4, 5, 9, 11, 12]))
@@ -14,6 +19,7 @@ sieving would read the whole span between the first and the last record.
     ([3, 9, 11], [3, 1, 2])
 """
 
+import re
 import threading
 from typing import Tuple
 
@@ -22,7 +28,35 @@ from mpi4py import MPI
 
 from mpistrat.errors import DataLossError, NotFoundError
 
-__all__ = ["runs_of", "open_for_reading", "read_runs"]
+__all__ = ["runs_of", "open_for_reading", "read_runs", "file_views_work"]
+
+
+def file_views_work(library_version: str, mpi_version: Tuple[int, int]) -> bool:
+    """Whether a file view of an indexed datatype can be set with this MPI.
+
+    False for MPICH before 4.1 speaking MPI 4 (its ROMIO aborts on large-count
+    datatypes); ``library_version`` is ``MPI.Get_library_version()``.
+
+        >>> file_views_work("MPICH Version: 4.0.2 MPICH Release date: ...", (4, 0))
+        False
+        >>> file_views_work("MPICH Version: 4.1.2", (4, 1))
+        True
+        >>> file_views_work("Open MPI v4.1.4, package: Debian OpenMPI", (3, 1))
+        True
+    """
+    if mpi_version < (4, 0):
+        return True            # no large-count constructors: mpi4py builds int-count types
+    match = re.match(r"MPICH Version:\s*(\d+)\.(\d+)", library_version)
+    return not (match and (int(match.group(1)), int(match.group(2))) < (4, 1))
+
+
+_FILE_VIEWS: list = []          # the answer for this process's MPI, computed once
+
+
+def _file_views() -> bool:
+    if not _FILE_VIEWS:
+        _FILE_VIEWS.append(file_views_work(MPI.Get_library_version(), MPI.Get_version()))
+    return _FILE_VIEWS[0]
 
 
 def runs_of(rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -91,6 +125,15 @@ def _read_some(handle, base, record_bytes, starts, lengths, out) -> None:
     offset = base + int(starts[0]) * record_bytes
     if len(starts) == 1:
         handle.file.Read_at(offset, out, status)
+    elif not _file_views():
+        got, position = 0, 0
+        for start, length in zip(starts.tolist(), lengths.tolist()):
+            size = length * record_bytes
+            handle.file.Read_at(base + start * record_bytes, out[position:position + size], status)
+            got += status.Get_count(MPI.BYTE)
+            position += size
+        _check_count(handle, offset, got, out)
+        return
     else:
         record = MPI.BYTE.Create_contiguous(record_bytes).Commit()
         layout = record.Create_indexed(lengths.tolist(), starts.tolist()).Commit()
@@ -101,7 +144,10 @@ def _read_some(handle, base, record_bytes, starts, lengths, out) -> None:
             handle.file.Set_view(0, MPI.BYTE, MPI.BYTE)
             layout.Free()
             record.Free()
-    got = status.Get_count(MPI.BYTE)
+    _check_count(handle, offset, status.Get_count(MPI.BYTE), out)
+
+
+def _check_count(handle, offset, got, out) -> None:
     if got != out.nbytes:  # the file shrank after the dataset was built
         raise DataLossError(f"{handle.path}: short read at offset {offset}: {got} of "
                             f"{out.nbytes} bytes (the file was truncated?)")

@@ -55,6 +55,7 @@ CONNECT_SECONDS = 30.0   # for every rank to reach rank 0 when the check starts
 RELAY_SECONDS = 0.5      # rank 0 relays leave notices at most this often
 SAMPLE_SECONDS = 0.25    # stacks are sampled this often once a peer has left
 END_SECONDS = 3.0        # rank 0 waits this long for the others to print before aborting
+OUTPUT_SECONDS = 0.3     # and this long for the launcher to forward what they printed
 _UNREACHABLE = (errno.ETIMEDOUT, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN,
                 errno.ENETDOWN)
 _current: Dict[str, "HealthCheck"] = {}
@@ -252,6 +253,9 @@ class HealthCheck:
                 except OSError:
                     self._drop(link)
             self._await_closes(time.monotonic() + END_SECONDS)
+            # Every rank has printed and flushed; the launcher forwards what they printed
+            # through pipes that MPI_Abort's kill may cut (seen with MPICH's Hydra).
+            time.sleep(OUTPUT_SECONDS)
         else:
             hub = self._links.get(0)
             if hub is not None and not told:

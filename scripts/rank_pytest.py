@@ -8,7 +8,10 @@ when a run fails, so the rank that failed or hung is always visible.
 import os
 import sys
 
-rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "0")))
+# The rank from the launcher's environment, before MPI starts: Open MPI, PMIx (srun --mpi=pmix),
+# MPICH's Hydra and PMI-2 (PMI_RANK).
+rank = next((int(os.environ[k]) for k in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
+             if os.environ.get(k, "").isdigit()), 0)
 prefix = sys.argv[1]
 if rank != 0:
     fd = os.open(f"{prefix}.rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -7,18 +7,39 @@
 #   ml_dtypes), protobuf and CRC-32C for TensorFlow's files, and Debian's
 #   SimGrid for the scaling simulator.
 #   A second run only checks and takes seconds.
+#
+# scripts/setup.sh --mpi mpich builds the second environment the test suite runs
+# under (.venv-mpich): Debian's MPICH and its parallel HDF5, with mpi4py and h5py
+# compiled from source against them, as a user does against a site's MPI
+# (docs/install.md), and the same Python packages as .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-VENV=${VENV:-.venv}
+MPI_FLAVOR=openmpi
+if [ "${1:-}" = "--mpi" ]; then MPI_FLAVOR=$2; shift 2; fi
+case "$MPI_FLAVOR" in
+    openmpi)
+        VENV=${VENV:-.venv}
+        APT_PACKAGES="openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools pkg-config python3-simgrid"
+        MPICC=mpicc.openmpi; HDF5_PC=hdf5-openmpi; LIBRARY="Open MPI"
+        SOURCE_MPI4PY=no ;;  # PyPI's wheel, which loads Debian's default libmpi.so (checked below)
+    mpich)
+        VENV=${VENV:-.venv-mpich}
+        APT_PACKAGES="mpich libmpich-dev libhdf5-mpich-dev hdf5-tools pkg-config"
+        MPICC=mpicc.mpich; HDF5_PC=hdf5-mpich; LIBRARY="MPICH"
+        SOURCE_MPI4PY=yes ;;
+    *) echo "setup: --mpi takes openmpi or mpich, not '$MPI_FLAVOR'" >&2; exit 2 ;;
+esac
 PY="$VENV/bin/python"
-APT_PACKAGES="openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools pkg-config python3-simgrid"
 STAMP="$VENV/.mpistrat-setup"
 want_stamp=$(cat scripts/setup.sh pyproject.toml | sha256sum | cut -c1-16)
+# The MPI library that mpi4py must load in this environment (checked at the end and on every run).
+check_mpi="from mpi4py import MPI; import h5py; assert h5py.get_config().mpi, 'h5py lacks MPI support'; \
+v = MPI.Get_library_version(); assert '$LIBRARY' in v, 'mpi4py loads ' + v.splitlines()[0]"
 
 sudo_if_needed() { if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi; }
 
-# 1. System packages (Debian's Open MPI and parallel HDF5).
+# 1. System packages (Debian's MPI and its parallel HDF5).
 # Debian's own python3 needs python3-venv (and headers) before it can make a virtual environment.
 if ! python3 -c "import venv, ensurepip" 2>/dev/null; then
     APT_PACKAGES="$APT_PACKAGES python3-venv python3-dev"
@@ -37,22 +58,31 @@ fi
 [ -x "$PY" ] || python3 -m venv "$VENV"
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want_stamp" ] \
-   && "$PY" -c "import h5py, mpi4py, mpistrat; assert h5py.get_config().mpi" 2>/dev/null; then
+   && "$PY" -c "import mpistrat; $check_mpi" 2>/dev/null; then
     echo "setup: up to date ($VENV)"
     exit 0
 fi
 
 PIP="$PY -m pip install -q --disable-pip-version-check"
 $PIP --upgrade pip "setuptools>=77" wheel
-$PIP numpy "cython>=3" pkgconfig "mpi4py>=4.0" pytest pytest-mpi pytest-timeout tqdm
+$PIP numpy "cython>=3" pkgconfig pytest pytest-mpi pytest-timeout tqdm
 
-# 3. h5py against parallel HDF5 (pip caches the built wheel).
+# 3. mpi4py and h5py compiled against this MPI and its parallel HDF5. pip caches the wheels it
+#    builds without the compiler in the key, so each MPI keeps a cache of its own.
+export PIP_CACHE_DIR="${XDG_CACHE_HOME:-$HOME/.cache}/pip-mpistrat-$MPI_FLAVOR"
+if ! "$PY" -c "from mpi4py import MPI; assert '$LIBRARY' in MPI.Get_library_version()" 2>/dev/null \
+   || { [ "$SOURCE_MPI4PY" = yes ] && ! "$PY" -c "import mpi4py, sys; sys.exit(not mpi4py.get_config())" 2>/dev/null; }; then
+    echo "setup: building mpi4py against $LIBRARY ($MPICC)"
+    "$PY" -m pip uninstall -y -q mpi4py 2>/dev/null || true
+    MPICC=$MPICC $PIP --no-binary=mpi4py --no-build-isolation "mpi4py>=4.0"
+fi
 if ! "$PY" -c "import h5py; assert h5py.get_config().mpi" 2>/dev/null; then
-    echo "setup: building h5py against parallel HDF5 (a few minutes the first time)"
+    echo "setup: building h5py against parallel HDF5 for $LIBRARY (a few minutes the first time)"
     "$PY" -m pip uninstall -y -q h5py 2>/dev/null || true
-    CC=mpicc HDF5_MPI=ON HDF5_PKGCONFIG_NAME=hdf5-openmpi \
+    CC=$MPICC HDF5_MPI=ON HDF5_PKGCONFIG_NAME=$HDF5_PC \
         $PIP --no-binary=h5py --no-build-isolation h5py
 fi
+unset PIP_CACHE_DIR
 
 # 4. JAX for CPU (the TPUStrategy bridge is tested on virtual CPU devices;
 #    jax.shard_map with check_vma needs 0.7 or later).
@@ -73,6 +103,6 @@ fi
 # 7. The package itself, editable.
 $PIP --no-deps --no-build-isolation -e .
 
-"$PY" -c "import h5py; assert h5py.get_config().mpi, 'h5py lacks MPI support'"
+"$PY" -c "$check_mpi"
 echo "$want_stamp" > "$STAMP"
 echo "setup: done ($VENV)"

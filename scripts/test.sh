@@ -94,6 +94,41 @@ for n in 1 2; do
     XLA_FLAGS=--xla_force_host_platform_device_count=4 ranks_run "tpu$n" "$n" tests/tpu 600 180
 done
 
+# The second MPI: MPICH (Debian's 4.0, its Hydra mpiexec, mpi4py and parallel h5py built against
+# it in .venv-mpich by scripts/setup.sh --mpi mpich). Single-process tests start MPICH singletons;
+# the doctor, health, settings and main-job launcher tests and the multi-rank tests at 2 and 3
+# ranks (checkpoints included) run under its mpiexec (scripts/mpirun with MPISTRAT_MPI=mpich).
+echo "=== MPICH: set-up (.venv-mpich), singleton tests, launcher tests, multi-rank tests at 2 and 3 ranks"
+if bash scripts/setup.sh --mpi mpich; then
+    (
+        export MPISTRAT_MPI=mpich
+        PY=$PWD/.venv-mpich/bin/python
+        timeout --kill-after=15 300 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=120 \
+            --timeout-method=thread tests/unit 2>&1 | tee "$logs/mpich-single.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+        timeout --kill-after=15 600 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=300 \
+            --timeout-method=thread tests/launcher/test_info.py tests/launcher/test_health_jobs.py \
+            tests/launcher/test_settings_jobs.py tests/launcher/test_checkpoint_signals.py \
+            tests/launcher/test_train_job.py -k "not same_global_batch" 2>&1 \
+            | grep -av '^\[Gloo\]' | tee "$logs/mpich-jobs.log"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+    ) || failed_runs="$failed_runs mpich-single-or-jobs"
+    # The reproducible sums and global batches must be the same bits under both MPIs.
+    export MPISTRAT_MPI=mpich MPISTRAT_REPRO_DIR=$PWD/$logs/reproducible-mpich
+    PY_OPENMPI=$PY; PY=$PWD/.venv-mpich/bin/python
+    for n in 2 3; do
+        ranks_run "mpich-np$n" "$n" tests/mpi 600 120
+    done
+    PY=$PY_OPENMPI; unset MPISTRAT_MPI; export MPISTRAT_REPRO_DIR=$PWD/$logs/reproducible
+    for f in "$logs"/reproducible-mpich/*.sha256 "$logs"/reproducible-mpich/data/*.sha256; do
+        [ -e "$f" ] || { echo "MPICH wrote no digest"; failed_runs="$failed_runs mpich-digests"; break; }
+        other=${f/reproducible-mpich/reproducible}
+        cmp -s "$f" "$other" || { echo "MPICH and Open MPI differ: $f"; failed_runs="$failed_runs mpich-digests"; }
+    done
+else
+    failed_runs="$failed_runs mpich-setup"
+fi
+
 # Several real hosts on this machine (scripts/cluster: head + node1..3 built from Linux
 # namespaces, Open MPI over an rsh agent, Slurm with one slurmd per node). The session fixture
 # brings one cluster up and down; the trap takes it down whatever happens. Where namespaces
@@ -109,6 +144,7 @@ scripts/cluster down >/dev/null 2>&1 || true
 passed=0; failed=0; skipped=0
 for f in "$logs/single.log" "$logs/gpu.log" "$logs/jobs.log" "$logs"/np?.rank0.log "$logs"/jax?.rank0.log \
          "$logs"/nodes*.rank0.log "$logs"/tpu?.rank0.log "$logs/cluster.log" \
+         "$logs/mpich-single.log" "$logs/mpich-jobs.log" "$logs"/mpich-np?.rank0.log \
          "$logs"/cluster-*.rank0.log; do
     [ -f "$f" ] || continue
     line=$(summary "$f")

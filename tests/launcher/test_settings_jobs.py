@@ -34,7 +34,7 @@ def launch_mpmd(tmp_path, parts, script, limit=60):
         command += ["-n", "1", "env", *(f"{k}={v}" for k, v in extra.items()),
                     sys.executable, str(path)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
-    env = {k: v for k, v in env.items() if not k.startswith("MPISTRAT_")}
+    env = {k: v for k, v in env.items() if not k.startswith("MPISTRAT_") or k == "MPISTRAT_MPI"}
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = str(ROOT)   # the mpistrat of this checkout
     start = time.monotonic()

@@ -37,7 +37,8 @@ from mpistrat.checkpoint import (Checkpoint, CheckpointManager, CheckpointOption
 from mpistrat import train  # noqa: E402
 from mpistrat import nn  # noqa: E402
 from mpistrat import preemption  # noqa: E402  (adds ms.distribute.experimental's handler)
-from mpistrat import keras_support  # noqa: E402  (model.fit under a scope; Keras optional)
+# model.fit under a scope (Keras optional: the hooks install once Keras is imported)
+from mpistrat import keras_hooks, keras_support  # noqa: E402,F401
 from mpistrat import distribute  # noqa: E402
 from mpistrat import data  # noqa: E402
 from mpistrat import io  # noqa: E402

@@ -44,49 +44,14 @@ Python generators and other inputs are passed to Keras unchanged and must do the
 """
 
 import math
-import sys
 from typing import Any
 
 import numpy as np
 
 from mpistrat.keras_callbacks import for_fit
+from mpistrat.keras_hooks import train_alone  # noqa: F401  (ms.keras_support.train_alone)
 
-__all__ = ["distribute_model", "install", "mirror_weights", "on_scope"]
-
-_INSTALLED = False
-
-
-def on_scope() -> None:
-    """The scope hook: if Keras is already imported, ``install()`` (Keras stays optional)."""
-    if not _INSTALLED and "keras" in sys.modules:
-        install()
-
-
-def install() -> None:
-    """Wrap ``keras.Model.compile`` once so that a compile inside a scope distributes the model.
-
-    Called by ``on_scope`` on entering ``Strategy.scope()`` when Keras is already imported.
-    """
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    import keras
-    original = keras.Model.compile
-
-    def compile(self, *args, **kwargs):  # noqa: A001 - Keras's own name
-        result = original(self, *args, **kwargs)
-        from mpistrat.distribute.context import get_strategy, has_strategy
-        strategy = get_strategy() if has_strategy() else None
-        # TPUStrategy (replicas inside compiled steps) is left to custom loops
-        if (strategy is not None and keras.backend.backend() == "jax"
-                and getattr(strategy.extended, "variable_class", None) is None):
-            distribute_model(self, strategy)
-        return result
-
-    compile.__doc__ = original.__doc__
-    keras.Model.compile = compile
-    _INSTALLED = True
-
+__all__ = ["distribute_model", "mirror_weights", "train_alone"]
 
 def _rows(tree) -> int:
     import jax
@@ -409,11 +374,3 @@ def distribute_model(model: Any, strategy: Any) -> Any:
         model._mpistrat_mirrored = True
     del keras
     return model
-
-
-def _register() -> None:
-    from mpistrat.distribute.strategy import add_scope_hook
-    add_scope_hook(on_scope)
-
-
-_register()

@@ -15,6 +15,8 @@ choose the communicator and the cluster; the semantics live here::
 """
 
 import contextlib
+import itertools
+import weakref
 from typing import Any, Callable, Iterator, Optional, Tuple
 
 import numpy as np
@@ -34,15 +36,22 @@ from mpistrat.runtime.devices import array_module
 __all__ = ["Strategy", "StrategyExtended"]
 
 
+_COUNTER = itertools.count()
 _SCOPE_HOOKS = []   # callables run on every scope() entry, registered by higher layers
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()   # every strategy made in this process, alive
+
+
+def live_strategies() -> list:
+    """The strategies of this process that are still referenced, oldest first."""
+    return sorted(_LIVE, key=lambda s: s._created)
 
 
 def add_scope_hook(hook: Callable[[], None]) -> None:
-    """Run ``hook()`` whenever a strategy's scope is entered (once per hook).
+    """Run ``hook()`` whenever a strategy is made or its scope is entered (once per hook).
 
     Higher layers register here so that this layer never imports them::
 
-        add_scope_hook(keras_support.on_scope)   # done by mpistrat/__init__.py
+        add_scope_hook(keras_hooks.on_scope)   # done by mpistrat/keras_hooks.py
     """
     if hook not in _SCOPE_HOOKS:
         _SCOPE_HOOKS.append(hook)
@@ -136,6 +145,10 @@ class Strategy:
                  cluster_resolver: Any = None):
         self._extended = StrategyExtended(self, engine, worker_devices)
         self._cluster_resolver = cluster_resolver
+        self._created = next(_COUNTER)
+        _LIVE.add(self)
+        for hook in _SCOPE_HOOKS:   # e.g. keras_hooks: guard fit of models made before
+            hook()
 
     # -- facts ---------------------------------------------------------------
     @property
@@ -165,7 +178,7 @@ class Strategy:
             raise RuntimeError(
                 f"Mixing different strategies: {type(entry.strategy).__name__} is current, "
                 f"so the scope of this {type(self).__name__} cannot be entered inside it")
-        for hook in _SCOPE_HOOKS:   # e.g. keras_support: model.fit under a strategy
+        for hook in _SCOPE_HOOKS:   # e.g. keras_hooks: model.fit under a strategy
             hook()
         with entered(self, entry.replica_context if entry else None):
             yield self

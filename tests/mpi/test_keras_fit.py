@@ -67,7 +67,7 @@ def same_on_every_rank(strategy, values):
 @functools.lru_cache(maxsize=None)
 def reference(epochs):
     """One process, no strategy, the same global batches (built once per run)."""
-    model = build()
+    model = ms.keras_support.train_alone(build())
     x, y = data()
     history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
     return model, history
@@ -308,7 +308,7 @@ def test_validation_split_holds_out_the_last_rows_as_one_process_does(world):
         model = build()
     history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                         validation_split=0.25)
-    single = build()
+    single = ms.keras_support.train_alone(build())
     want = single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                       validation_split=0.25)
     for key in ("loss", "val_loss"):
@@ -359,3 +359,44 @@ def test_a_failing_rank_0_callback_raises_on_every_rank(world, shared_dir):
                                                save_weights_only=True)
     with pytest.raises(Exception, match=r"rank 0: ModelCheckpoint.on_epoch_end"):
         model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, callbacks=[callback])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("when", ["before the strategy", "built in the scope, compiled outside"])
+def test_fit_of_a_model_compiled_outside_the_scope_is_refused_on_every_rank(world, when):
+    """Without the refusal each rank trains its own copy (the weights drift apart), silently."""
+    x, y = data()
+    if when == "before the strategy":
+        model = build()
+        strategy = ms.MultiWorkerMirroredStrategy()
+    else:
+        strategy = ms.MultiWorkerMirroredStrategy()
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss="mse")
+    before = weights(model)
+    with pytest.raises(ValueError, match=r"compiled outside strategy\.scope\(\) while a "
+                                         r"MultiWorkerMirroredStrategy of \d replicas"):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(before, weights(model)))  # nothing trained
+    ms.keras_support.distribute_model(model, strategy)       # the fix the error names
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    same_on_every_rank(strategy, weights(model))
+
+
+def test_load_model_in_the_scope_comes_back_compiled_and_distributed(world, shared_dir):
+    """Keras's load_model compiles the model from its saved config (the compile wrapper is
+    Keras's own method for that check), and inside the scope that compile distributes it."""
+    x, y = data()
+    strategy = ms.MultiWorkerMirroredStrategy()
+    path = os.path.join(shared_dir, "model.keras")
+    if world.rank == 0:
+        build().save(path)
+    world.comm.Barrier()
+    with strategy.scope():
+        model = keras.models.load_model(path)
+    assert model.compiled and model.optimizer is not None
+    assert getattr(model, "_mpistrat_strategy", None) is strategy
+    model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
+    same_on_every_rank(strategy, weights(model))

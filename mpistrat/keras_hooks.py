@@ -1,0 +1,116 @@
+"""Where mpistrat hooks into Keras's classes: ``compile`` and ``fit``, wrapped once.
+
+``install()`` runs when a strategy is made or its scope entered with Keras already imported
+(``on_scope``, registered with ``distribute.strategy.add_scope_hook``). Each wrapper replaces
+the method on the Keras class that defines it (so ``keras.models.load_model``, which checks
+that ``compile`` is Keras's own, still compiles the models it loads):
+
+* ``compile`` inside ``strategy.scope()`` distributes the model
+  (``keras_support.distribute_model``);
+* ``fit`` of a model that was not distributed is refused with a ``ValueError`` while a
+  data-parallel strategy of several replicas exists: it would train a separate copy on every
+  rank and average nothing, silently (a model compiled outside the scope, or before the
+  strategy was made). ``train_alone(model)`` says that is meant::
+
+      reference = ms.keras_support.train_alone(model)   # this rank alone, on purpose
+      reference.fit(x, y)
+"""
+
+import sys
+from typing import Any
+
+__all__ = ["install", "on_scope", "refuse_undistributed_fit", "train_alone"]
+
+_INSTALLED = False
+
+
+def on_scope() -> None:
+    """The scope hook: if Keras is already imported, ``install()`` (Keras stays optional)."""
+    if not _INSTALLED and "keras" in sys.modules:
+        install()
+
+
+def install() -> None:
+    """Wrap Keras's ``compile`` once so that a compile inside a scope distributes the model,
+    and ``fit`` so that a model that was not distributed is refused while a strategy of
+    several replicas exists (it would train a separate copy on every rank, silently).
+
+    Called by ``on_scope`` when a strategy is made or its scope entered, when Keras is
+    already imported. Each wrapper replaces the method on the Keras class that defines it,
+    so ``keras.models.load_model`` still sees Keras's own ``compile`` and compiles.
+    """
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    import keras
+    compiles = _defining_class(keras.Model, "compile")
+    original = compiles.compile
+
+    def compile(self, *args, **kwargs):  # noqa: A001 - Keras's own name
+        result = original(self, *args, **kwargs)
+        from mpistrat.distribute.context import get_strategy, has_strategy
+        strategy = get_strategy() if has_strategy() else None
+        # TPUStrategy (replicas inside compiled steps) is left to custom loops
+        if (strategy is not None and keras.backend.backend() == "jax"
+                and getattr(strategy.extended, "variable_class", None) is None):
+            from mpistrat.keras_support import distribute_model
+            distribute_model(self, strategy)
+        return result
+
+    compile.__doc__ = original.__doc__
+    compiles.compile = compile
+    fits = _defining_class(keras.Model, "fit")
+    fits.fit = _guarded_fit(fits.fit)
+    _INSTALLED = True
+
+
+def _defining_class(cls, name: str):
+    return next(c for c in cls.__mro__ if name in c.__dict__)
+
+
+def _guarded_fit(original):
+    def fit(self, *args, **kwargs):
+        refuse_undistributed_fit(self)
+        return original(self, *args, **kwargs)
+
+    fit.__doc__ = original.__doc__
+    return fit
+
+
+def refuse_undistributed_fit(model: Any) -> None:
+    """Raise ``ValueError`` if ``model`` was compiled outside every strategy's scope while a
+    data-parallel strategy of several replicas exists: ``fit`` would train a separate copy
+    of the model on each rank and nothing would be averaged, silently."""
+    if getattr(model, "_mpistrat_strategy", None) is not None or \
+            getattr(model, "_mpistrat_alone", False):
+        return
+    from mpistrat.distribute.strategy import live_strategies
+    several = [s for s in live_strategies() if s.num_replicas_in_sync > 1
+               and getattr(s.extended, "variable_class", None) is None]
+    if several:
+        strategy = several[-1]
+        raise ValueError(
+            f"{type(model).__name__} {model.name!r} was compiled outside strategy.scope() "
+            f"while a {type(strategy).__name__} of {strategy.num_replicas_in_sync} replicas "
+            f"exists: fit would train a separate copy on every rank and average nothing. "
+            f"Compile it inside `with strategy.scope():` (build it there too, or call "
+            f"ms.keras_support.distribute_model(model, strategy) after compiling; or, to "
+            f"train on each rank alone on purpose, ms.keras_support.train_alone(model))")
+
+
+def train_alone(model: Any) -> Any:
+    """Let ``model.fit`` train this rank's copy alone, without the strategy (e.g. a reference
+    run or a per-rank fine-tune), where a strategy of several replicas exists::
+
+        ms.keras_support.train_alone(model).fit(x, y)    # this rank only, nothing averaged
+    """
+    model._mpistrat_alone = True
+    return model
+
+
+def _register() -> None:
+    from mpistrat.distribute.strategy import add_scope_hook
+    add_scope_hook(on_scope)
+
+
+_register()

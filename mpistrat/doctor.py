@@ -28,20 +28,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from mpistrat.runtime import launch_check
+
 __all__ = ["doctor", "main", "judge_launch", "judge_layout", "judge_slurm", "render"]
 
 Check = Tuple[str, str, str]          # (status: pass/fail/skip, what was found, the fix)
-_LAUNCHER_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")   # Open MPI's; MPICH's and Intel's
-
-
 def _launcher_size() -> Optional[int]:
     """How many ranks the launcher says it started (its environment), when it says."""
-    for name in _LAUNCHER_SIZES:
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    if os.environ.get("SLURM_STEP_ID") and os.environ.get("SLURM_NTASKS", "").isdigit():
-        return int(os.environ["SLURM_NTASKS"])   # (inside srun)
-    return None
+    return launch_check.launched_size(os.environ, count_plain_srun=True)[0]
 
 
 # -- the judgements (pure) ----------------------------------------------------------------
@@ -194,7 +188,7 @@ def doctor(directory: str) -> Optional[List[Dict]]:
     the other ranks ``None``."""
     import mpistrat as ms
     from mpistrat.runtime import get_world
-    world = get_world()
+    world = get_world(refuse_singletons=False)    # a singleton start is reported, not raised
     try:   # (a rank that cannot answer still reaches every gather below: no hang)
         fact = _facts(world)
     except Exception as err:  # noqa: BLE001 - reported in the table

@@ -12,14 +12,17 @@ simulates a multi-node job on one machine::
     (0, 1, 0, 1)
 """
 
+import os
 import socket
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
 from mpi4py import MPI
 
-from mpistrat.runtime import health, settings
+from mpistrat.errors import UnavailableError
+from mpistrat.runtime import health, launch_check, settings
 
 __all__ = ["NodeLayout", "node_layout", "World", "get_world"]
 
@@ -58,6 +61,16 @@ def _ranks_per_node_from_env() -> Optional[int]:
     return settings.get(RANKS_PER_NODE_ENV)
 
 
+def _refuse_singletons(size: int) -> None:
+    """Several processes launched, each a world of 1: raise (or warn for srun --mpi=none)."""
+    refusal = launch_check.singleton_refusal(os.environ, size)
+    if refusal is not None:
+        raise UnavailableError(refusal)
+    note = launch_check.unwired_srun_note(os.environ, size)
+    if note is not None:
+        warnings.warn(note, RuntimeWarning, stacklevel=3)
+
+
 class World:
     """The job as mpistrat sees it: a private communicator and the node layout.
 
@@ -66,13 +79,15 @@ class World:
     first rank of every node (``MPI.COMM_NULL`` on the other ranks).
     """
 
-    def __init__(self, base: Optional[MPI.Comm] = None):
+    def __init__(self, base: Optional[MPI.Comm] = None, refuse_singletons: bool = True):
         base = MPI.COMM_WORLD if base is None else base
         self.comm = base.Dup()
         self.comm.Set_name("mpistrat")
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.hostname = socket.gethostname()
+        if base == MPI.COMM_WORLD and refuse_singletons:
+            _refuse_singletons(self.size)
         settings.agree(self.comm)   # every MPISTRAT_* variable of every rank: refused together
         per_node = _ranks_per_node_from_env()
         if per_node is None:
@@ -114,10 +129,14 @@ _WORLD: Optional[World] = None
 _WORLD_LOCK = threading.Lock()
 
 
-def get_world() -> World:
-    """The process-wide :class:`World`, created on first use (collective)."""
+def get_world(refuse_singletons: bool = True) -> World:
+    """The process-wide :class:`World`, created on first use (collective).
+
+    A process that the launcher started as one of several but that MPI sees alone raises
+    ``UnavailableError`` (``launch_check``); ``refuse_singletons=False`` (the doctor, which
+    reports it) lets the first call make that world anyway."""
     global _WORLD
     with _WORLD_LOCK:
         if _WORLD is None:
-            _WORLD = World()
+            _WORLD = World(refuse_singletons=refuse_singletons)
         return _WORLD

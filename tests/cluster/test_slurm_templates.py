@@ -93,3 +93,27 @@ def test_preemptible_template_requeues_and_resumes(cluster, tmp_path):
     assert "finished with exit code 0" in text, text
     assert re.search(r"^resumed from \S+ckpt-\d+: epoch \d+, step", text, re.M), text
     assert re.search(r"^test accuracy: 0\.\d+$", text, re.M), text
+
+
+MPICH_PYTHON = ROOT / ".venv-mpich" / "bin" / "python"
+
+
+@pytest.mark.skipif(not MPICH_PYTHON.exists(), reason=(
+    ".venv-mpich is missing: scripts/setup.sh --mpi mpich builds it (make test's MPICH stage)"))
+def test_site_block_runs_mpich_under_pmi2_and_a_wrong_plugin_is_refused(cluster, tmp_path):
+    """The site's MPI is MPICH: SRUN_MPI=pmi2 with its environment (VENV) runs the demo on 2
+    nodes; srun --mpi=pmix starts 4 singletons, which every task refuses, naming the fix
+    (before the refusal each task trained alone: 'replicas=1', exit 0)."""
+    env = {"VENV": str(ROOT / ".venv-mpich"), "SRUN_MPI": "pmi2"}
+    info, output = cluster.sbatch(ROOT / "slurm" / "demo.sbatch", "--ntasks-per-node=2",
+                                  cwd=ROOT, out_dir=tmp_path, env=env)
+    assert "JobState=COMPLETED" in info and "ExitCode=0:0" in info, info + output
+    assert sorted(line for line in output.splitlines() if line.startswith("[rank"))[-1] == (
+        "[rank 3] replicas=4 sum of replica ids=6 gathered=[0, 1, 2, 3] "
+        "weights=[-1.5, -1.5, -1.5, -1.5]"), output
+    info, output = cluster.sbatch(ROOT / "slurm" / "demo.sbatch", "--ntasks-per-node=2",
+                                  cwd=ROOT, out_dir=tmp_path, env=dict(env, SRUN_MPI="pmix"))
+    assert "JobState=FAILED" in info, info + output
+    assert output.count("UnavailableError: srun started 4 tasks (SLURM_STEP_NUM_TASKS, "
+                        "--mpi=pmix) but MPI sees a world of 1 rank") == 4, output
+    assert "replicas=1" not in output, output

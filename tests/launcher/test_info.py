@@ -169,3 +169,26 @@ def test_doctor_names_a_singleton_start(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     assert "the launcher started 4 ranks but MPI sees 1" in done.stdout, done.stdout
     assert "--no-binary=mpi4py" in done.stdout
+
+
+@pytest.mark.parametrize("launcher_env", [{"PMI_SIZE": "4"},
+                                          {"SLURM_STEP_NUM_TASKS": "4", "SLURM_MPI_TYPE": "pmix"}])
+def test_a_singleton_start_is_refused_by_the_strategy_before_anything_trains(tmp_path,
+                                                                              launcher_env):
+    """A real mpi4py singleton told by its environment that the launcher started 4 ranks:
+    without the refusal it trains alone and writes the checkpoint the other 3 also write."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PMI_"))}
+    env.update(launcher_env, PYTHONUNBUFFERED="1")
+    script = ("import mpistrat as ms\n"
+              "try:\n"
+              "    ms.MultiWorkerMirroredStrategy()\n"
+              "except ms.errors.UnavailableError as err:\n"
+              "    print('refused:', err)\n"
+              "else:\n"
+              "    print('trained alone')\n")
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "refused: " in done.stdout and "but MPI sees a world of 1 rank" in done.stdout, \
+        done.stdout + done.stderr
+    assert "trained alone" not in done.stdout

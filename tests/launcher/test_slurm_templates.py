@@ -23,8 +23,9 @@ def test_template_is_valid_bash_and_runs_the_main_job(template):
     text = template.read_text()
     assert "jobs/train.py" in text and "--checkpoint-dir \"$RUN_DIR\"" in text
     assert re.search(r"^#SBATCH --nodes=\d+", text, re.M)
-    launcher = "$LAUNCH" if "preemptible" in template.name else "srun --mpi=pmix"
+    launcher = "$LAUNCH" if "preemptible" in template.name else 'srun --mpi="$SRUN_MPI"'
     assert launcher in text
+    assert 'source "${MPISTRAT_SITE:-slurm/site.sh}"' in text     # the site's modules, venv, --mpi
 
 
 def test_templates_ask_for_what_their_strategy_needs():

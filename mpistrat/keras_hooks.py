@@ -6,7 +6,8 @@ the method on the Keras class that defines it (so ``keras.models.load_model``, w
 that ``compile`` is Keras's own, still compiles the models it loads):
 
 * ``compile`` inside ``strategy.scope()`` distributes the model
-  (``keras_support.distribute_model``);
+  (``keras_support.distribute_model``), and so does a compile with an optimizer from
+  ``mpistrat.horovod.DistributedOptimizer`` (each rank its own rows);
 * ``fit`` of a model that was not distributed is refused with a ``ValueError`` while a
   data-parallel strategy of several replicas exists: it would train a separate copy on every
   rank and average nothing, silently (a model compiled outside the scope, or before the
@@ -51,10 +52,13 @@ def install() -> None:
         from mpistrat.distribute.context import get_strategy, has_strategy
         strategy = get_strategy() if has_strategy() else None
         # TPUStrategy (replicas inside compiled steps) is left to custom loops
+        from mpistrat.keras_support import distribute_model
         if (strategy is not None and keras.backend.backend() == "jax"
                 and getattr(strategy.extended, "variable_class", None) is None):
-            from mpistrat.keras_support import distribute_model
             distribute_model(self, strategy)
+        elif strategy is None and getattr(self.optimizer, "_mpistrat_horovod", None):
+            # hvd.DistributedOptimizer: each rank its own rows, gradients averaged
+            distribute_model(self, self.optimizer._mpistrat_horovod, per_rank_data=True)
         return result
 
     compile.__doc__ = original.__doc__

@@ -51,7 +51,7 @@ import numpy as np
 from mpistrat.keras_callbacks import for_fit
 from mpistrat.keras_hooks import train_alone  # noqa: F401  (ms.keras_support.train_alone)
 
-__all__ = ["distribute_model", "mirror_weights", "train_alone"]
+__all__ = ["distribute_model", "mirror_weights", "same_steps_everywhere", "train_alone"]
 
 def _rows(tree) -> int:
     import jax
@@ -171,6 +171,37 @@ def same_arrays_everywhere(strategy: Any, arrays) -> None:
                     "rows, pass strategy.distribute_datasets_from_function(...) instead")
 
 
+def same_steps_everywhere(strategy: Any, data: Any, steps: Any, what: str) -> None:
+    """Per-rank data (Horovod's contract): every rank makes the same number of steps, else
+    ``ValueError`` on every rank naming each rank's count (collective). A rank with fewer
+    batches would leave the others waiting in the gradient all-reduce forever."""
+    try:
+        batches = len(data)
+    except TypeError:   # a generator or dataset of unknown length: the user's steps decide
+        batches = -1
+    counts = strategy.extended.engine.all_gather(
+        np.array([batches, -1 if steps is None else int(steps)]), 0).reshape(-1, 2)
+    known, asked = counts[:, 0], set(counts[:, 1].tolist())
+    if len(asked) > 1:
+        raise ValueError(f"model.{what}: the ranks were given different step counts "
+                         f"({counts[:, 1].tolist()}, -1 = none); pass the same on every rank")
+    steps = asked.pop()
+    lengths = known[known >= 0]
+    if steps >= 0:
+        short = lengths.size and int(lengths.min()) < steps
+    else:
+        short = (known >= 0).all() and len(set(lengths.tolist())) > 1
+    if short:
+        per_rank = ", ".join(f"rank {r}: {int(c)}" for r, c in enumerate(known))
+        asked_text = f" for {steps} steps" if steps >= 0 else ""
+        raise ValueError(
+            f"model.{what} with each rank's own data: the ranks have different numbers of "
+            f"batches ({per_rank}){asked_text}, so the ranks with more would wait forever in "
+            f"the gradient all-reduce; give every rank as many rows (e.g. shard with "
+            f"x[hvd.rank()::hvd.size()] over a row count that hvd.size() divides), or pass a "
+            f"step count no rank exceeds (<= {int(lengths.min())})")
+
+
 def _split_off(x, y, sample_weight, fraction: float):
     """Keras's ``validation_split``: the last ``fraction`` of the rows (before any shuffle)
     becomes ``validation_data``; arrays only, as in Keras."""
@@ -217,11 +248,16 @@ def mirror_weights(model: Any, strategy: Any) -> None:
         variable.assign(value)
 
 
-def distribute_model(model: Any, strategy: Any) -> Any:
+def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> Any:
     """Make ``model`` (compiled, Keras 3 on JAX) train and evaluate data parallel under
     ``strategy``; done by ``compile`` inside ``strategy.scope()``. Returns ``model``::
 
         ms.keras_support.distribute_model(model, strategy)   # compiled outside any scope
+
+    ``per_rank_data=True`` is Horovod's contract (``mpistrat.horovod``): the arrays each rank
+    passes are its own rows and ``batch_size`` is its own batch; the ranks must make the same
+    number of steps (checked: a mismatch raises naming each rank's count, where Horovod
+    would hang); ``predict`` predicts this rank's rows only.
     """
     import jax
     import jax.numpy as jnp
@@ -311,8 +347,12 @@ def distribute_model(model: Any, strategy: Any) -> Any:
         if not _is_arrays(x):
             return x, y, sample_weight, batch_size
         arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
-        same_arrays_everywhere(strategy, arrays)
         seed = getattr(model, "keras_shuffle_seed", 0)
+        if per_rank_data:   # this rank's own rows, in batches of its own
+            dataset = _RankShare(arrays, batch_size or 32, 0, 1, shuffle,
+                                 seed * 65536 + world.rank)
+            return dataset, None, None, None
+        same_arrays_everywhere(strategy, arrays)
         dataset = _RankShare(arrays, batch_size or 32, world.rank, world.size, shuffle, seed)
         return dataset, None, None, None
 
@@ -332,6 +372,11 @@ def distribute_model(model: Any, strategy: Any) -> Any:
             validation_data = share(vx, vy, vw, vbatch, False)[0]
             kwargs.pop("validation_batch_size", None)
         x, y, sample_weight, batch_size = share(x, y, sample_weight, batch_size, shuffle)
+        if per_rank_data:
+            same_steps_everywhere(strategy, x, kwargs.get("steps_per_epoch"), "fit")
+            if validation_data is not None:
+                same_steps_everywhere(strategy, validation_data,
+                                      kwargs.get("validation_steps"), "validation")
         callbacks = for_fit(model, strategy, callbacks, mirror_weights)
         return cls.fit(model, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
                        callbacks=callbacks, validation_data=validation_data, shuffle=False,
@@ -344,11 +389,13 @@ def distribute_model(model: Any, strategy: Any) -> Any:
             return cls.evaluate(model, x, y, batch_size=batch_size, verbose=verbose,
                                 sample_weight=sample_weight, **kwargs)
         x, y, sample_weight, batch_size = share(x, y, sample_weight, batch_size, False)
+        if per_rank_data:
+            same_steps_everywhere(strategy, x, kwargs.get("steps"), "evaluate")
         return cls.evaluate(model, x, y, batch_size=batch_size, verbose=verbose,
                             sample_weight=sample_weight, **kwargs)
 
     def predict(x, batch_size=None, verbose="auto", steps=None, callbacks=None):
-        if steps is not None or not _is_arrays(x):   # (a generator, a dataset: not cut)
+        if steps is not None or not _is_arrays(x) or per_rank_data:   # (not cut)
             return cls.predict(model, x, batch_size=batch_size, verbose=verbose, steps=steps,
                                callbacks=callbacks)
         from mpistrat.partition import even_ranges

@@ -182,6 +182,12 @@ def read_collective(entries: Dict[str, BundleEntry], engine):
 
 
 def _read_at(entry: BundleEntry, raw: np.ndarray, handles: Dict[str, MPI.File]) -> None:
+    if entry.slices:   # a partitioned tensor: its slices' bytes one after another
+        position = 0
+        for _, part in entry.slices:
+            _read_at(part, raw[position:position + part.size], handles)
+            position += part.size
+        return
     handle = handles.get(entry.file)
     if handle is None:
         try:

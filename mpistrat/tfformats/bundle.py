@@ -39,6 +39,7 @@ from mpistrat.errors import DataLossError, InvalidArgumentError, NotFoundError
 from mpistrat.io.safe_files import UnreadableFile, read_regular, replace_atomically
 from mpistrat.tfformats import messages
 from mpistrat.tfformats.crc import crc32c, extend, mask, unmask
+from mpistrat.tfformats.slices import decode_slice_key, is_slice_key, plan_pieces
 from mpistrat.tfformats.sstable import build_table, read_table
 from mpistrat.tfformats.wire import WireError, read_varint, varint
 
@@ -113,6 +114,8 @@ class BundleEntry:
     crc: int               # as stored (masked)
     refused: str = ""      # a TensorFlow dtype we cannot hold ("variant", "resource", ...):
                            # listed, never read (``read_value`` names it)
+    slices: tuple = ()     # a partitioned tensor: ((starts, stops), slice entry) per slice;
+                           # its bytes are the slices' stored bytes one after another
 
     @property
     def nbytes(self) -> int:
@@ -156,25 +159,63 @@ def read_index(prefix: str) -> BundleIndex:
     shards = [data_name(prefix, k, header.num_shards) for k in range(header.num_shards)]
     sizes: Dict[int, int] = {}
     entries: Dict[str, BundleEntry] = {}
+    parts: Dict[str, Dict[tuple, BundleEntry]] = {}   # a sliced tensor's name -> its slices
+    sliced = {}                                       # name -> its full entry's proto
     for raw_key, value in table[1:]:
+        if is_slice_key(raw_key):
+            try:
+                name, extents = decode_slice_key(raw_key)
+            except (ValueError, UnicodeDecodeError) as err:
+                raise DataLossError(f"{path}: an invalid slice key {raw_key[:40]!r}: "
+                                    f"{err}") from None
+            where = f"{path}, slice {list(extents)} of {name!r}"
+            proto = messages.parse("BundleEntryProto", value, where)
+            if len(proto.slices):
+                raise DataLossError(f"{where}: a slice that is itself sliced")
+            parts.setdefault(name, {})[extents] = _entry(f"{name}{list(extents)}", proto,
+                                                         shards, sizes, where)
+            continue
         try:
             key = raw_key.decode("utf-8")
         except UnicodeDecodeError:
             raise DataLossError(f"{path}: a key is not UTF-8 text ({raw_key[:40]!r})") from None
         where = f"{path}, key {key!r}"
         proto = messages.parse("BundleEntryProto", value, where)
-        entry = _entry(key, proto, shards, sizes, where)
-        entries[key] = entry
-    _check_claims(entries, {shards[k]: size for k, size in sizes.items()}, path)
+        if len(proto.slices):
+            sliced[key] = proto
+            continue
+        entries[key] = _entry(key, proto, shards, sizes, where)
+    _check_claims(list(entries.values()) + [e for p in parts.values() for e in p.values()],
+                  {shards[k]: size for k, size in sizes.items()}, path)
+    for key, proto in sliced.items():
+        entries[key] = _sliced_entry(key, proto, parts.get(key, {}), f"{path}, key {key!r}")
     return BundleIndex(prefix, header.num_shards, entries)
 
 
-def _check_claims(entries: Dict[str, BundleEntry], sizes: Dict[str, int], path: str) -> None:
+def _sliced_entry(key: str, proto, parts: Dict[tuple, BundleEntry], where: str) -> BundleEntry:
+    """A partitioned tensor: its full dtype and shape, and its slices, each found among the
+    slice entries with its own dtype and shape, and tiling the full shape exactly."""
+    dtype = numpy_dtype(proto.dtype, where)
+    if proto.shape.unknown_rank or not 1 <= len(proto.shape.dim) <= _MAX_RANK:
+        raise DataLossError(f"{where}: a sliced tensor of invalid rank")
+    shape = tuple(int(d.size) for d in proto.shape.dim)
+    if any(d < 0 for d in shape) or math.prod(max(d, 1) for d in shape) * dtype.itemsize >= \
+            1 << 62:
+        raise DataLossError(f"{where}: invalid shape {list(shape)}")
+    pieces = plan_pieces(shape, proto.slices, parts, proto.dtype, where)
+    if proto.dtype == STRING:
+        return BundleEntry(key, proto.dtype, np.dtype("V1"), shape, pieces[0][1].file, 0,
+                           sum(p.size for _, p in pieces), 0, "string (partitioned)")
+    return BundleEntry(key, proto.dtype, dtype, shape, pieces[0][1].file if pieces else "",
+                       0, sum(p.size for _, p in pieces), 0, slices=tuple(pieces))
+
+
+def _check_claims(entries: List[BundleEntry], sizes: Dict[str, int], path: str) -> None:
     """TensorFlow stores each tensor once: the entries of a shard claim at most its bytes.
     A crafted index whose entries all point at one block would make a restore read (and
     check) that block once per entry: hours of work from a small file."""
     claimed: Dict[str, int] = {}
-    for entry in entries.values():
+    for entry in entries:
         claimed[entry.file] = claimed.get(entry.file, 0) + entry.size
     for file, total in claimed.items():
         if total > sizes[file]:
@@ -211,9 +252,6 @@ def _shard_size(shards: List[str], shard: int, sizes: Dict[int, int], where: str
 
 def _entry(key: str, proto, shards: List[str], sizes: Dict[int, int],
            where: str) -> BundleEntry:
-    if len(proto.slices):
-        raise InvalidArgumentError(f"{where}: a partitioned (sliced) tensor; restore it in "
-                                   f"TensorFlow and save it whole to read it here")
     if proto.dtype in _REFUSED:   # (a tf.data iterator's state, a resource): listed only
         return _refused_entry(key, proto, shards, sizes, where)
     dtype = numpy_dtype(proto.dtype, where)
@@ -277,6 +315,14 @@ def read_value(entry: BundleEntry) -> np.ndarray:
         raise refusal(entry)
     buffer = bytearray(entry.size)
     view = memoryview(buffer)
+    position = 0
+    for part in [p for _, p in entry.slices] or [entry]:
+        _read_into(part, view[position:position + part.size])
+        position += part.size
+    return decode_value(entry, buffer)
+
+
+def _read_into(entry: BundleEntry, view: memoryview) -> None:
     with open(entry.file, "rb", buffering=0) as handle:
         got = 0
         while got < entry.size:
@@ -285,7 +331,6 @@ def read_value(entry: BundleEntry) -> np.ndarray:
                 raise DataLossError(f"{entry.file}: short read at offset {entry.offset + got} "
                                     f"for key {entry.key!r} (the shard was truncated?)")
             got += n
-    return decode_value(entry, buffer)
 
 
 def decode_value(entry: BundleEntry, raw) -> np.ndarray:
@@ -298,6 +343,14 @@ def decode_value(entry: BundleEntry, raw) -> np.ndarray:
     where = f"{entry.file}, key {entry.key!r}"
     if len(raw) != entry.size:
         raise DataLossError(f"{where}: {len(raw)} bytes read, {entry.size} expected")
+    if entry.slices:   # a partitioned tensor: each slice decoded (CRC checked), put in place
+        whole = np.empty(entry.shape, dtype=entry.dtype)
+        position = 0
+        for (starts, stops), part in entry.slices:
+            piece = decode_value(part, raw[position:position + part.size])
+            whole[tuple(slice(a, b) for a, b in zip(starts, stops))] = piece
+            position += part.size
+        return whole
     if entry.enum == STRING:
         return _decode_strings(entry, memoryview(raw), where)
     if crc32c(raw) != unmask(entry.crc):

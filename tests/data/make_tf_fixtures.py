@@ -18,6 +18,9 @@ It writes, each beside a JSON of what TensorFlow itself reported when reading th
   int64 and bytes features, fixed and variable length.
 * ``guide/``: the steps of TensorFlow's "Training checkpoints" guide (step, optimizer,
   network and a tf.data iterator, whose state is a ``variant`` tensor), by a CheckpointManager.
+* ``sliced/``: partitioned variables: ``policy/`` (TF2's ``MaxShardSizePolicy`` cutting
+  float32, int64 and bfloat16 variables into slices across shards) and ``tf1/`` (a TF1
+  ``fixed_size_partitioner`` variable along each axis, saved by ``Saver``).
 * ``values.json``: per checkpoint, every tensor key with dtype, shape and the bytes TensorFlow
   returned (hex; strings as hex each); per record file, every record's bytes and the values
   ``tf.io.parse_single_example`` gave.
@@ -242,8 +245,47 @@ def guide_checkpoint(report: dict) -> None:
     report["guide/" + os.path.basename(path)] = entries
 
 
+def sliced_checkpoints(report: dict) -> None:
+    """Partitioned variables, both ways TensorFlow writes them: TF2's ``MaxShardSizePolicy``
+    cutting variables larger than the shard size into slices across data shards, and a TF1
+    graph's ``fixed_size_partitioner`` variable saved by ``Saver`` (V2 format). The index holds
+    one entry per variable (dtype, full shape, its slice list) and one per slice under
+    OrderedCode keys; TensorFlow's reader returns the reassembled tensors."""
+    rng = np.random.default_rng(32)
+
+    class Big(tf.Module):
+        def __init__(self):
+            super().__init__(name="big")
+            self.emb = tf.Variable(rng.standard_normal((40, 6)).astype(np.float32))
+            self.ids = tf.Variable(np.arange(-60, 60, dtype=np.int64).reshape(8, 15))
+            self.brain = tf.Variable(tf.constant(rng.standard_normal((9, 7)), tf.bfloat16))
+            self.small = tf.Variable(np.array([1.5, -2.5], np.float32))     # not cut
+    big = Big()
+    policy = tf.train.experimental.MaxShardSizePolicy(max_shard_size=200)
+    options = tf.train.CheckpointOptions(experimental_sharding_callback=policy)
+    path = tf.train.Checkpoint(model=big).write(os.path.join(OUT, "sliced", "policy", "ckpt"),
+                                                options=options)
+    report["sliced/policy/" + os.path.basename(path)] = _report_checkpoint(path)
+
+    graph = tf.Graph()
+    with graph.as_default():
+        init = tf.compat.v1.random_uniform_initializer(-1.0, 1.0, seed=7)
+        tf.compat.v1.get_variable("part/emb", shape=[10, 7], initializer=init,
+                                  partitioner=tf.compat.v1.fixed_size_partitioner(3))
+        tf.compat.v1.get_variable("part/cols", shape=[4, 9], dtype=tf.float64,
+                                  initializer=tf.compat.v1.random_normal_initializer(seed=3),
+                                  partitioner=tf.compat.v1.fixed_size_partitioner(2, axis=1))
+        tf.compat.v1.get_variable("plain", initializer=np.array([7, 8, 9], np.int32))
+        saver = tf.compat.v1.train.Saver()
+        with tf.compat.v1.Session(graph=graph) as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            path = saver.save(session, os.path.join(OUT, "sliced", "tf1", "model.ckpt"),
+                              write_meta_graph=False)
+    report["sliced/tf1/" + os.path.basename(path)] = _report_checkpoint(path)
+
+
 FIXTURES = {"module": module_checkpoints, "keras": keras_checkpoint, "slots": slot_checkpoint,
-            "records": record_files, "guide": guide_checkpoint}
+            "records": record_files, "guide": guide_checkpoint, "sliced": sliced_checkpoints}
 
 
 def main() -> int:

@@ -76,3 +76,35 @@ def test_multi_worker_custom_loop_resumes_at_another_width(tmp_path):
     want = [float(x) for _, accuracy, loss in whole for x in (accuracy, loss)]
     assert got == pytest.approx(want, rel=1e-4, abs=1e-5), (got, want)
     assert want[3] < want[1], f"the loss did not fall: {whole}"
+
+
+def _horovod(ranks, directory, *flags, mpirun_args=()):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+    env.update(PYTHONUNBUFFERED="1", KERAS_BACKEND="jax", PYTHONPATH=str(ROOT))
+    done = subprocess.run([str(MPIRUN), "--limit", "240", *mpirun_args, "-n", str(ranks),
+                           sys.executable, str(ROOT / "jobs" / "examples" / "horovod_keras_mnist.py"),
+                           "--dir", str(directory), *flags], env=env, cwd=directory.parent,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert done.returncode == 0, done.stdout[-4000:]
+    return done.stdout
+
+
+def _digests(output, verb):
+    # (no line anchors: the launcher may join two ranks' lines)
+    return dict(re.findall(rf"rank (\d+): {verb} \S+?, weights ([0-9a-f]{{16}})", output))
+
+
+def test_horovod_keras_mnist_trains_at_1_and_2_ranks_and_resumes_at_3(tmp_path):
+    """Horovod's Keras MNIST steps under mpistrat.horovod: every rank ends with the same
+    weights and learns; the 2-rank checkpoint restores bit for bit at 3 ranks bound to cores."""
+    for ranks in (1, 2):
+        out = _horovod(ranks, tmp_path / f"np{ranks}", "--epochs", "3")
+        saved = _digests(out, "saved")
+        assert sorted(saved) == [str(r) for r in range(ranks)] and len(set(saved.values())) == 1
+        assert float(re.search(r"test accuracy ([0-9.]+)", out).group(1)) > 0.8, out[-2000:]
+    resumed = _horovod(3, tmp_path / "np2", "--resume", "--epochs", "1",
+                       mpirun_args=("--bind-to", "core:overload-allowed"))
+    restored = _digests(resumed, "restored")
+    assert sorted(restored) == ["0", "1", "2"], resumed[-3000:]
+    assert set(restored.values()) == set(saved.values()), (restored, saved)
+    assert len(set(_digests(resumed, "saved").values())) == 1

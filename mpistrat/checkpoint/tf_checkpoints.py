@@ -206,6 +206,39 @@ def _read_at(entry: BundleEntry, raw: np.ndarray, handles: Dict[str, MPI.File]) 
 
 
 # -- matching our objects to the graph ----------------------------------------------------
+def _warn_shifted_names(slots, found: Dict[str, str], values: "TensorFlowValues") -> None:
+    """Keras 3 variables matched by their paths (``dense_1/kernel``): Keras numbers the
+    automatic layer names per process, so a model built after one more layer was made gets
+    ``dense_1`` for what the checkpoint calls ``dense``, and a same-shaped value lands on the
+    wrong layer. The sign: a Keras variable of ours left without a value while a checkpoint
+    value of the same kind (``kernel``, ``bias``) and shape went unused. Warned (a restore
+    into another model on purpose, a new head, looks the same), with both names."""
+    import warnings
+    used = set(found.values())
+    unused = {}
+    for name, checkpoint_path in values.by_full_name.items():
+        if checkpoint_path not in used:
+            entry = values.entry(checkpoint_path)
+            unused.setdefault((name.rsplit("/", 1)[-1], tuple(entry.shape)), []).append(name)
+    for path, slot in sorted(slots.items()):
+        owner = slot.owner
+        if path in found or not type(owner).__module__.startswith("keras"):
+            continue
+        ours = str(getattr(owner, "path", ""))
+        kind = (ours.rsplit("/", 1)[-1], tuple(getattr(owner, "shape", ())))
+        if unused.get(kind):
+            warnings.warn(
+                f"restoring {values.source}: our Keras variable {ours!r} ({path}) found no "
+                f"value, while the checkpoint's {unused[kind][0]!r} of the same shape went "
+                f"unused: Keras's automatic layer names have probably shifted (a layer or model "
+                f"was made before this one in the process), so other variables may have "
+                f"received another layer's values. Build the model as it was saved, e.g. "
+                f"after keras.backend.clear_session(), or give its layers names",
+                RuntimeWarning, stacklevel=4)
+            return
+
+
+
 class TensorFlowValues:
     """A TensorFlow checkpoint's values by our object paths, matched through its graph."""
 
@@ -229,6 +262,7 @@ class TensorFlowValues:
     def match(self, slots) -> Dict[str, str]:
         """Our slot path -> the checkpoint path it restores from."""
         found: Dict[str, str] = {}
+        by_name = set()     # our paths matched through Keras 3's variable paths
         for path, slot in slots.items():
             target = None
             if self.graph is None:
@@ -240,8 +274,12 @@ class TensorFlowValues:
             owner = slot.owner
             if target is None and type(owner).__module__.startswith("keras"):
                 target = self.by_full_name.get(getattr(owner, "path", None))  # Keras 3
+                if target is not None:
+                    by_name.add(path)
             if target is not None:
                 found[path] = target
+        if by_name:
+            _warn_shifted_names(slots, found, self)
         return found
 
     def entry(self, checkpoint_path: str) -> BundleEntry:

@@ -21,6 +21,7 @@ It writes, each beside a JSON of what TensorFlow itself reported when reading th
 * ``sliced/``: partitioned variables: ``policy/`` (TF2's ``MaxShardSizePolicy`` cutting
   float32, int64 and bfloat16 variables into slices across shards) and ``tf1/`` (a TF1
   ``fixed_size_partitioner`` variable along each axis, saved by ``Saver``).
+* ``keras_square/``: a Keras model of two same-shaped Dense layers with automatic names.
 * ``values.json``: per checkpoint, every tensor key with dtype, shape and the bytes TensorFlow
   returned (hex; strings as hex each); per record file, every record's bytes and the values
   ``tf.io.parse_single_example`` gave.
@@ -284,8 +285,22 @@ def sliced_checkpoints(report: dict) -> None:
     report["sliced/tf1/" + os.path.basename(path)] = _report_checkpoint(path)
 
 
+def keras_square_checkpoint(report: dict) -> None:
+    """A Keras model of two Dense layers of the same shape (3 -> 3 -> 3), saved with its
+    automatic layer names (dense, dense_1): a model built after one more layer was made gets
+    dense_1 and dense_2, and the same-shaped kernels could land on the wrong layer."""
+    import keras
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(9)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3), keras.layers.Dense(3)])
+    path = tf.train.Checkpoint(model=model).write(os.path.join(OUT, "keras_square", "ckpt"))
+    report["keras_square/" + os.path.basename(path)] = _report_checkpoint(path)
+    report["keras_square/weights"] = {f"{w.path}": _tensor_json(w.numpy()) for w in model.weights}
+
+
 FIXTURES = {"module": module_checkpoints, "keras": keras_checkpoint, "slots": slot_checkpoint,
-            "records": record_files, "guide": guide_checkpoint, "sliced": sliced_checkpoints}
+            "records": record_files, "guide": guide_checkpoint, "sliced": sliced_checkpoints,
+            "keras_square": keras_square_checkpoint}
 
 
 def main() -> int:

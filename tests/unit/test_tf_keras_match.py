@@ -45,3 +45,37 @@ def test_keras_variables_restore_by_their_paths():
             assert int(value) == int.from_bytes(bytes.fromhex(want["hex"]), "little") == 1
         else:
             assert value.tobytes().hex() == want["hex"], variable.path
+
+
+def _square_model():
+    return keras.Sequential([keras.Input((3,)), keras.layers.Dense(3), keras.layers.Dense(3)])
+
+
+def test_shifted_automatic_names_are_warned_naming_both_variables():
+    """Two Dense layers of one shape: a model built after one more layer was made has dense_1
+    and dense_2 where the checkpoint has dense and dense_1, so its first layer gets the second
+    layer's kernel by name, silently before this warning."""
+    import mpistrat as ms
+    keras.backend.clear_session()
+    keras.layers.Dense(7)                                      # one more layer, made first
+    model = _square_model()
+    with pytest.warns(RuntimeWarning, match=r"our Keras variable 'sequential/dense_2/\w+' "
+                                            r"\(model/layer-1/\w+\) found no value, while the "
+                                            r"checkpoint's 'sequential/dense/\w+' of the same "
+                                            r"shape went unused"):
+        ms.Checkpoint(model=model).restore(str(DATA / "keras_square/ckpt")).expect_partial()
+
+
+def test_the_same_model_built_as_saved_restores_exactly_without_a_warning():
+    import warnings
+
+    import mpistrat as ms
+    keras.backend.clear_session()
+    model = _square_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        ms.Checkpoint(model=model).restore(str(DATA / "keras_square/ckpt")).assert_consumed()
+    want = REPORT["keras_square/weights"]
+    for variable in model.weights:
+        value = np.asarray(variable.value)
+        assert value.tobytes().hex() == want[variable.path]["hex"], variable.path

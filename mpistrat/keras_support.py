@@ -341,7 +341,10 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
         return metrics_logs(metrics_vars), (trainable, non_trainable, metrics_vars)
 
     def share(x, y, sample_weight, batch_size, shuffle):
+        from mpistrat.data.dataset import Dataset
         from mpistrat.data.distributed import DistributedDataset
+        if isinstance(x, Dataset) and not per_rank_data:   # as Keras under a TF strategy:
+            x = strategy.experimental_distribute_dataset(x)   # batches of the global batch
         if isinstance(x, DistributedDataset):   # already this rank's share of each batch
             return _epochs_of(x), y, sample_weight, None
         if not _is_arrays(x):
@@ -362,8 +365,11 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
         if validation_split and validation_data is None:   # (Keras: validation_data wins)
             x, y, sample_weight, validation_data = _split_off(x, y, sample_weight,
                                                               validation_split)
+        from mpistrat.data.dataset import Dataset
         from mpistrat.data.distributed import DistributedDataset
         _refuse_sum_reduction(model)
+        if isinstance(validation_data, Dataset) and not per_rank_data:
+            validation_data = strategy.experimental_distribute_dataset(validation_data)
         if isinstance(validation_data, DistributedDataset):   # (Keras: "Unrecognized data type")
             validation_data = _epochs_of(validation_data)
         elif validation_data is not None and _is_arrays(validation_data):

@@ -179,12 +179,16 @@ def test_each_rank_trains_on_its_rebatch_slice(world):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_fit_on_a_distributed_dataset_matches_arrays(world):
+@pytest.mark.parametrize("given", ["distributed", "plain ms.data dataset"])
+def test_fit_on_a_distributed_dataset_matches_arrays(world, given):
+    """A plain ms.data dataset of global batches is distributed by fit itself, as Keras does
+    with a tf.data dataset under a TensorFlow strategy (before, fit refused it)."""
     strategy = ms.MultiWorkerMirroredStrategy()
     x, y = data()
     with strategy.scope():
         model = build()
-    dataset = distributed(strategy, x, y)
+    dataset = distributed(strategy, x, y) if given == "distributed" else \
+        ms.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
     history = model.fit(dataset, epochs=2, verbose=0)
     single, single_history = reference(epochs=2)
     for got, want in zip(weights(model), weights(single)):

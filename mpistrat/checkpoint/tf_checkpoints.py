@@ -258,11 +258,23 @@ class TensorFlowValues:
             if value.full_name and value.path in self.by_path:
                 names.setdefault(value.full_name, []).append(value.path)
         self.by_full_name = {n: p[0] for n, p in names.items() if len(p) == 1}
+        # an optimizer slot's own name (``sequential_dense_kernel_momentum``): TensorFlow
+        # prefixes it with name scopes of its own (``loss_scale_optimizer/adam_14/``) that
+        # Keras 3 on JAX does not write; used when the last name is unique on both sides
+        leaves: Dict[str, List[str]] = {}
+        for name, path in self.by_full_name.items():
+            leaves.setdefault(name.rsplit("/", 1)[-1], []).append(path)
+        self.by_leaf = {n: p[0] for n, p in leaves.items() if len(p) == 1}
 
     def match(self, slots) -> Dict[str, str]:
         """Our slot path -> the checkpoint path it restores from."""
         found: Dict[str, str] = {}
         by_name = set()     # our paths matched through Keras 3's variable paths
+        our_leaves: Dict[str, int] = {}
+        for slot in slots.values():
+            if type(slot.owner).__module__.startswith("keras"):
+                leaf = str(getattr(slot.owner, "path", "")).rsplit("/", 1)[-1]
+                our_leaves[leaf] = our_leaves.get(leaf, 0) + 1
         for path, slot in slots.items():
             target = None
             if self.graph is None:
@@ -273,7 +285,11 @@ class TensorFlowValues:
                     else path if path in self.by_path else None   # (_paths_of's suffixes)
             owner = slot.owner
             if target is None and type(owner).__module__.startswith("keras"):
-                target = self.by_full_name.get(getattr(owner, "path", None))  # Keras 3
+                keras_path = str(getattr(owner, "path", ""))
+                target = self.by_full_name.get(keras_path)  # Keras 3
+                leaf = keras_path.rsplit("/", 1)[-1]
+                if target is None and our_leaves.get(leaf) == 1:
+                    target = self.by_leaf.get(leaf)
                 if target is not None:
                     by_name.add(path)
             if target is not None:

@@ -22,6 +22,8 @@ It writes, each beside a JSON of what TensorFlow itself reported when reading th
   float32, int64 and bfloat16 variables into slices across shards) and ``tf1/`` (a TF1
   ``fixed_size_partitioner`` variable along each axis, saved by ``Saver``).
 * ``keras_square/``: a Keras model of two same-shaped Dense layers with automatic names.
+* ``mixed/``: an Embedding + LSTM + GRU model under ``mixed_float16`` (a LossScaleOptimizer),
+  one step of ``model.fit``, saved by a CheckpointManager.
 * ``values.json``: per checkpoint, every tensor key with dtype, shape and the bytes TensorFlow
   returned (hex; strings as hex each); per record file, every record's bytes and the values
   ``tf.io.parse_single_example`` gave.
@@ -298,9 +300,35 @@ def keras_square_checkpoint(report: dict) -> None:
     report["keras_square/weights"] = {f"{w.path}": _tensor_json(w.numpy()) for w in model.weights}
 
 
+def mixed_checkpoint(report: dict) -> None:
+    """An Embedding + LSTM + GRU model trained one step by ``model.fit`` under the
+    ``mixed_float16`` policy, so its optimizer is a LossScaleOptimizer (loss scale, step
+    counter and the inner optimizer's slots), saved with a CheckpointManager."""
+    import keras
+    keras.backend.clear_session()
+    keras.utils.set_random_seed(11)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = keras.Sequential([keras.Input((6,), dtype="int32"),
+                                  keras.layers.Embedding(20, 4),
+                                  keras.layers.LSTM(5, return_sequences=True),
+                                  keras.layers.GRU(3),
+                                  keras.layers.Dense(2, dtype="float32")])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        x = np.arange(24, dtype=np.int32).reshape(4, 6) % 20
+        model.fit(x, np.ones((4, 2), np.float32), epochs=1, verbose=0)
+        ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+        manager = tf.train.CheckpointManager(ckpt, os.path.join(OUT, "mixed"), max_to_keep=1)
+        path = manager.save()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    report["mixed/" + os.path.basename(path)] = _report_checkpoint(path)
+    report["mixed/optimizer"] = type(model.optimizer).__name__
+
+
 FIXTURES = {"module": module_checkpoints, "keras": keras_checkpoint, "slots": slot_checkpoint,
             "records": record_files, "guide": guide_checkpoint, "sliced": sliced_checkpoints,
-            "keras_square": keras_square_checkpoint}
+            "keras_square": keras_square_checkpoint, "mixed": mixed_checkpoint}
 
 
 def main() -> int:

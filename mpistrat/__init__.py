@@ -42,6 +42,7 @@ from mpistrat import keras_hooks, keras_support  # noqa: E402,F401
 from mpistrat import distribute  # noqa: E402
 from mpistrat import data  # noqa: E402
 from mpistrat import io  # noqa: E402
+from mpistrat import summary  # noqa: E402  (TensorBoard event files without TensorFlow)
 
 __version__ = "0.1.0"
 

@@ -4,7 +4,8 @@ starts, and callbacks that write files writing once, from rank 0.
 Every rank runs the same ``fit``, so a callback given to it runs on every rank.
 ``ModelCheckpoint`` and ``CSVLogger`` would then write the same file from every rank at
 once (HDF5's lock refuses the second writer: ``unable to lock file, errno = 11``; a CSV gets
-its lines several times). ``for_fit`` hands Keras these callbacks wrapped so that they run on
+its lines several times). Keras's ``TensorBoard`` needs TensorFlow: it is swapped for
+``ms.summary.TensorBoard``. ``for_fit`` hands Keras these callbacks wrapped so that they run on
 rank 0 alone; every rank meets rank 0 at the end of each epoch and of training, so the
 files are complete when ``fit`` returns anywhere, and a failure there (a full disk) raises
 on every rank. The other callbacks run on every rank as given::
@@ -17,7 +18,8 @@ from typing import Any, Callable, List, Optional, Sequence
 
 __all__ = ["for_fit", "RANK_ZERO_CALLBACKS"]
 
-RANK_ZERO_CALLBACKS = ("ModelCheckpoint", "CSVLogger")   # Keras callbacks that write files
+RANK_ZERO_CALLBACKS = ("ModelCheckpoint", "CSVLogger",    # Keras callbacks that write files
+                       "TensorBoardScalars")             # (ms.summary.TensorBoard)
 _HOOKS = ("on_epoch_begin", "on_epoch_end", "on_train_begin", "on_train_end",
           "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
           "on_test_batch_begin", "on_test_batch_end", "on_predict_begin", "on_predict_end",
@@ -75,5 +77,22 @@ def for_fit(model: Any, strategy: Any, callbacks: Optional[Sequence],
 
     for name in _HOOKS:
         setattr(OnRankZero, name, delegate(name))
-    given = [OnRankZero(c) if _writes_files(c) else c for c in (callbacks or [])]
+    given = [_without_tensorflow(c) for c in (callbacks or [])]
+    given = [OnRankZero(c) if _writes_files(c) else c for c in given]
     return [Mirror()] + given
+
+
+def _without_tensorflow(callback: Any) -> Any:
+    """Keras's ``TensorBoard`` needs TensorFlow to write: swapped for ``ms.summary``'s, which
+    writes the same scalar tags (histograms, images and graphs are not written: warned)."""
+    if type(callback).__name__ != "TensorBoard" or \
+            not type(callback).__module__.startswith("keras"):
+        return callback
+    import warnings
+    from mpistrat.summary import TensorBoard
+    if getattr(callback, "histogram_freq", 0) or getattr(callback, "write_images", False) or \
+            getattr(callback, "embeddings_freq", 0):
+        warnings.warn("keras.callbacks.TensorBoard under mpistrat writes scalars only "
+                      "(histograms, images and embeddings need TensorFlow)", RuntimeWarning,
+                      stacklevel=3)
+    return TensorBoard(callback.log_dir, update_freq=callback.update_freq)

@@ -2,7 +2,8 @@
 
 The fields below follow TensorFlow's ``.proto`` files (``tensor_bundle.proto``,
 ``tensor_shape.proto``, ``tensor_slice.proto``, ``versions.proto``,
-``trackable_object_graph.proto``, ``example.proto``, ``feature.proto``); only the wire
+``trackable_object_graph.proto``, ``example.proto``, ``feature.proto``, ``event.proto``,
+``summary.proto``); only the wire
 format matters, so enums are plain integers and ``google.protobuf.BoolValue`` is a local
 message of the same shape. Where the ``protobuf`` package is installed, message classes are
 built from these definitions at first use in a private descriptor pool (so they never clash
@@ -67,6 +68,12 @@ SCHEMA: Dict[str, list] = {
     "Example": [Field(1, "features", "Features")],
     "Features": [Field(1, "feature", "Features.FeatureEntry", True, map=True)],
     "Features.FeatureEntry": [Field(1, "key", "string"), Field(2, "value", "Feature")],
+    # event.proto and summary.proto: TensorBoard's event files (scalars only)
+    "Event": [Field(1, "wall_time", "double"), Field(2, "step", "int64"),
+              Field(3, "file_version", "string", oneof="what"),
+              Field(5, "summary", "Summary", oneof="what")],
+    "Summary": [Field(1, "value", "Summary.Value", True)],
+    "Summary.Value": [Field(1, "tag", "string"), Field(2, "simple_value", "float", oneof="value")],
     "Feature": [Field(1, "bytes_list", "BytesList", oneof="kind"),
                 Field(2, "float_list", "FloatList", oneof="kind"),
                 Field(3, "int64_list", "Int64List", oneof="kind")],
@@ -87,7 +94,7 @@ def _pool():
     types = {"int32": proto.TYPE_INT32, "int64": proto.TYPE_INT64, "enum": proto.TYPE_INT32,
              "uint64": proto.TYPE_UINT64, "bool": proto.TYPE_BOOL, "string": proto.TYPE_STRING,
              "bytes": proto.TYPE_BYTES, "fixed32": proto.TYPE_FIXED32,
-             "float": proto.TYPE_FLOAT}
+             "float": proto.TYPE_FLOAT, "double": proto.TYPE_DOUBLE}
     file = descriptor_pb2.FileDescriptorProto(name="mpistrat_tensorflow_messages.proto",
                                               package=_PACKAGE, syntax="proto3")
     made: Dict[str, Any] = {}

@@ -42,9 +42,9 @@ class Field(NamedTuple):
 Schema = Dict[str, Sequence[Field]]
 
 _SCALAR_DEFAULTS = {"int32": 0, "int64": 0, "uint64": 0, "bool": False, "enum": 0,
-                    "string": "", "bytes": b"", "fixed32": 0, "float": 0.0}
+                    "string": "", "bytes": b"", "fixed32": 0, "float": 0.0, "double": 0.0}
 _VARINT_KINDS = {"int32", "int64", "uint64", "bool", "enum"}
-_WIRE_TYPE = {"fixed32": 5, "float": 5}
+_WIRE_TYPE = {"fixed32": 5, "float": 5, "double": 1}
 
 
 class WireError(ValueError):
@@ -194,6 +194,8 @@ def _store(schema: Schema, message: Message, info: Field, value, data) -> None:
             items = [_scalar(kind, payload)]
         elif wire == "fixed32" and kind in ("fixed32", "float"):
             items = [struct.unpack("<I" if kind == "fixed32" else "<f", bytes(payload))[0]]
+        elif wire == "fixed64" and kind == "double":
+            items = [struct.unpack("<d", bytes(payload))[0]]
         else:
             raise WireError(f"field {field!r} of {message._name} has the wrong wire type")
     elif wire == "bytes":
@@ -217,7 +219,7 @@ def _store(schema: Schema, message: Message, info: Field, value, data) -> None:
 def encode(schema: Schema, name: str, fields: dict) -> bytes:
     """The encoding of message ``name`` with ``fields`` (absent fields keep their defaults)."""
     out: List[bytes] = []
-    for number, field, kind, repeated, _, is_map in schema[name]:
+    for number, field, kind, repeated, oneof, is_map in schema[name]:
         if fields.get(field) is None:
             continue
         value = fields[field]
@@ -231,8 +233,8 @@ def encode(schema: Schema, name: str, fields: dict) -> bytes:
             continue
         for item in values:
             if kind in _SCALAR_DEFAULTS:
-                if not repeated and item == _SCALAR_DEFAULTS[kind]:
-                    continue                            # proto3: defaults are not written
+                if not repeated and oneof is None and item == _SCALAR_DEFAULTS[kind]:
+                    continue      # proto3: defaults are not written (a oneof's member is)
                 wire = 2 if kind in ("string", "bytes") else _WIRE_TYPE.get(kind, 0)
                 out.append(varint(number << 3 | wire) + _encode_scalar(kind, item))
             else:
@@ -251,4 +253,6 @@ def _encode_scalar(kind: str, value) -> bytes:
         return struct.pack("<I", value)
     if kind == "float":
         return struct.pack("<f", value)
+    if kind == "double":
+        return struct.pack("<d", value)
     return varint(int(value))

@@ -404,3 +404,36 @@ def test_load_model_in_the_scope_comes_back_compiled_and_distributed(world, shar
     assert getattr(model, "_mpistrat_strategy", None) is strategy
     model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0)
     same_on_every_rank(strategy, weights(model))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_keras_tensorboard_writes_the_logs_from_rank_0_without_tensorflow(world, shared_dir):
+    """keras.callbacks.TensorBoard needs TensorFlow to write (ModuleNotFoundError in fit);
+    under a strategy it is swapped for ms.summary's: epoch_* scalars in train/ and validation/
+    and batch_* every update_freq steps, one file each, from rank 0 alone."""
+    from mpistrat.tfformats import messages
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x, y = data()
+    with strategy.scope():
+        model = build()
+    logs = os.path.join(shared_dir, "logs")
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, validation_data=(x, y),
+                        callbacks=[keras.callbacks.TensorBoard(logs, update_freq=1)])
+    world.comm.Barrier()
+
+    def scalars(kind):
+        (path,) = [os.path.join(logs, kind, f) for f in os.listdir(os.path.join(logs, kind))
+                   if f.startswith("events.out.tfevents.")]   # (not our reader's index cache)
+        found = {}
+        for record in ms.data.TFRecordDataset(path):
+            event = messages.parse("Event", bytes(record), path)
+            for value in (event.summary.value if event.WhichOneof("what") == "summary" else []):
+                found.setdefault(value.tag, []).append((event.step, value.simple_value))
+        return found
+    train, validation = scalars("train"), scalars("validation")
+    np.testing.assert_allclose([v for _, v in train["epoch_loss"]], history.history["loss"],
+                               rtol=1e-6)
+    np.testing.assert_allclose([v for _, v in validation["epoch_loss"]],
+                               history.history["val_loss"], rtol=1e-6)
+    assert [s for s, _ in train["epoch_mae"]] == [0, 1]
+    assert [s for s, _ in train["batch_loss"]] == list(range(1, 2 * -(-ROWS // BATCH) + 1))

@@ -78,6 +78,11 @@ def for_fit(model: Any, strategy: Any, callbacks: Optional[Sequence],
     for name in _HOOKS:
         setattr(OnRankZero, name, delegate(name))
     given = [_without_tensorflow(c) for c in (callbacks or [])]
+    writers = [type(c).__name__ for c in given if _writes_files(c)]
+    if len({tuple(w) for w in [writers] + engine.comm.allgather(writers)}) > 1:
+        # the ranks were given other file writers (Horovod's "only on rank 0" pattern): each
+        # runs where it was given, with no collective that the other ranks would never join
+        return [Mirror()] + given
     given = [OnRankZero(c) if _writes_files(c) else c for c in given]
     return [Mirror()] + given
 

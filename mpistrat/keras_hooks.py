@@ -56,9 +56,10 @@ def install() -> None:
         if (strategy is not None and keras.backend.backend() == "jax"
                 and getattr(strategy.extended, "variable_class", None) is None):
             distribute_model(self, strategy)
-        elif strategy is None and getattr(self.optimizer, "_mpistrat_horovod", None):
-            # hvd.DistributedOptimizer: each rank its own rows, gradients averaged
-            distribute_model(self, self.optimizer._mpistrat_horovod, per_rank_data=True)
+        elif strategy is None and _horovod_strategy(self.optimizer) is not None:
+            # hvd.DistributedOptimizer (maybe inside Keras's LossScaleOptimizer): each rank
+            # its own rows, gradients averaged
+            distribute_model(self, _horovod_strategy(self.optimizer), per_rank_data=True)
         return result
 
     compile.__doc__ = original.__doc__
@@ -66,6 +67,14 @@ def install() -> None:
     fits = _defining_class(keras.Model, "fit")
     fits.fit = _guarded_fit(fits.fit)
     _INSTALLED = True
+
+
+def _horovod_strategy(optimizer: Any) -> Any:
+    for candidate in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        strategy = getattr(candidate, "_mpistrat_horovod", None)
+        if strategy is not None:
+            return strategy
+    return None
 
 
 def _defining_class(cls, name: str):

@@ -1,4 +1,4 @@
-"""TensorBoard's event files without TensorFlow: scalars, as ``tf.summary.scalar`` writes them.
+"""TensorBoard's event files without TensorFlow: scalars, as ``simple_value`` summaries.
 
 An event file is a TFRecord file of ``Event`` messages: first ``file_version
 "brain.Event:2"``, then one event per scalar (wall time, step, ``Summary`` of one value with its
@@ -22,6 +22,8 @@ import os
 import socket
 import time
 from typing import Any, Optional
+
+import numpy as np
 
 from mpistrat.io.records import TFRecordWriter
 from mpistrat.tfformats import messages
@@ -47,7 +49,7 @@ class EventFileWriter:
 
     def scalar(self, tag: str, value: Any, step: int) -> None:
         """Append ``value`` (a number) under ``tag`` at ``step``; NaN and inf are written."""
-        number = float(value)
+        number = float(np.float32(float(value)))   # as stored: beyond float32's range, inf
         self._write({"wall_time": time.time(), "step": int(step),
                      "summary": {"value": [{"tag": str(tag), "simple_value": number}]}})
 

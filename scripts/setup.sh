@@ -19,12 +19,13 @@ MPI_FLAVOR=openmpi
 if [ "${1:-}" = "--mpi" ]; then MPI_FLAVOR=$2; shift 2; fi
 case "$MPI_FLAVOR" in
     openmpi)
-        VENV=${VENV:-.venv}
+        VENV=${VENV:-.venv}             # (VENV names the Open MPI environment only)
         APT_PACKAGES="openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools pkg-config python3-simgrid"
         MPICC=mpicc.openmpi; HDF5_PC=hdf5-openmpi; LIBRARY="Open MPI"
-        SOURCE_MPI4PY=no ;;  # PyPI's wheel, which loads Debian's default libmpi.so (checked below)
+        SOURCE_MPI4PY=no ;;  # an mpi4py that loads Open MPI will do (checked below); a new
+                             # environment builds it from source like the MPICH one
     mpich)
-        VENV=${VENV:-.venv-mpich}
+        VENV=${VENV_MPICH:-.venv-mpich}
         APT_PACKAGES="mpich libmpich-dev libhdf5-mpich-dev hdf5-tools pkg-config"
         MPICC=mpicc.mpich; HDF5_PC=hdf5-mpich; LIBRARY="MPICH"
         SOURCE_MPI4PY=yes ;;
@@ -69,6 +70,7 @@ $PIP numpy "cython>=3" pkgconfig pytest pytest-mpi pytest-timeout tqdm
 
 # 3. mpi4py and h5py compiled against this MPI and its parallel HDF5. pip caches the wheels it
 #    builds without the compiler in the key, so each MPI keeps a cache of its own.
+USER_PIP_CACHE=${PIP_CACHE_DIR-unset}
 export PIP_CACHE_DIR="${XDG_CACHE_HOME:-$HOME/.cache}/pip-mpistrat-$MPI_FLAVOR"
 if ! "$PY" -c "from mpi4py import MPI; assert '$LIBRARY' in MPI.Get_library_version()" 2>/dev/null \
    || { [ "$SOURCE_MPI4PY" = yes ] && ! "$PY" -c "import mpi4py, sys; sys.exit(not mpi4py.get_config())" 2>/dev/null; }; then
@@ -82,7 +84,7 @@ if ! "$PY" -c "import h5py; assert h5py.get_config().mpi" 2>/dev/null; then
     CC=$MPICC HDF5_MPI=ON HDF5_PKGCONFIG_NAME=$HDF5_PC \
         $PIP --no-binary=h5py --no-build-isolation h5py
 fi
-unset PIP_CACHE_DIR
+if [ "$USER_PIP_CACHE" = unset ]; then unset PIP_CACHE_DIR; else export PIP_CACHE_DIR=$USER_PIP_CACHE; fi
 
 # 4. JAX for CPU (the TPUStrategy bridge is tested on virtual CPU devices;
 #    jax.shard_map with check_vma needs 0.7 or later).

@@ -260,10 +260,12 @@ class TensorFlowValues:
         self.by_full_name = {n: p[0] for n, p in names.items() if len(p) == 1}
         # an optimizer slot's own name (``sequential_dense_kernel_momentum``): TensorFlow
         # prefixes it with name scopes of its own (``loss_scale_optimizer/adam_14/``) that
-        # Keras 3 on JAX does not write; used when the last name is unique on both sides
+        # Keras 3 on JAX does not write; used for an optimizer's variables alone, when the
+        # last name is unique on both sides and the shapes agree
         leaves: Dict[str, List[str]] = {}
         for name, path in self.by_full_name.items():
-            leaves.setdefault(name.rsplit("/", 1)[-1], []).append(path)
+            if "/_variables/" in f"/{path}/":   # an optimizer's own variables only
+                leaves.setdefault(name.rsplit("/", 1)[-1], []).append(path)
         self.by_leaf = {n: p[0] for n, p in leaves.items() if len(p) == 1}
 
     def match(self, slots) -> Dict[str, str]:
@@ -288,8 +290,10 @@ class TensorFlowValues:
                 keras_path = str(getattr(owner, "path", ""))
                 target = self.by_full_name.get(keras_path)  # Keras 3
                 leaf = keras_path.rsplit("/", 1)[-1]
-                if target is None and our_leaves.get(leaf) == 1:
-                    target = self.by_leaf.get(leaf)
+                if target is None and our_leaves.get(leaf) == 1 and leaf in self.by_leaf \
+                        and tuple(self.entry(self.by_leaf[leaf]).shape) == \
+                        tuple(getattr(owner, "shape", ())):
+                    target = self.by_leaf[leaf]     # (a slot's name holds its variable's)
                 if target is not None:
                     by_name.add(path)
             if target is not None:

@@ -60,9 +60,14 @@ def add_scope_hook(hook: Callable[[], None]) -> None:
 class StrategyExtended:
     """Lower-level facts and tools of a strategy (``strategy.extended``)."""
 
+    @property
+    def _container_strategy(self) -> "Strategy":
+        return self._strategy_ref()
+
     def __init__(self, strategy: "Strategy", engine: CollectiveEngine,
                  worker_devices: Tuple[str, ...]):
-        self._container_strategy = strategy
+        self._strategy_ref = weakref.ref(strategy)   # no cycle: a dropped strategy dies at
+                                                      # once (live_strategies must not see it)
         self.engine = engine
         self.worker_devices = tuple(worker_devices)
         self.parameter_devices = self.worker_devices

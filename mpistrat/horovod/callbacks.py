@@ -55,8 +55,9 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
 class LearningRateWarmupCallback(keras.callbacks.Callback):
     """Horovod's warm-up: over the first ``warmup_epochs`` the learning rate rises each batch
-    from ``initial_lr / size`` to ``initial_lr`` (``initial_lr / size * (e * (size - 1) /
-    warmup_epochs + 1)`` at fractional epoch ``e``), then stays at ``initial_lr``.
+    from about ``initial_lr / size`` to ``initial_lr`` (``initial_lr / size * (e * (size - 1)
+    / warmup_epochs + 1)`` with ``e = epoch + (batch + 1) / steps_per_epoch``), reaching
+    ``initial_lr`` on the warm-up's last batch; after it the rate is left alone.
 
     ``momentum_correction`` is not applied (Keras 3 compiles an optimizer's momentum into its
     step): a warning says so when the optimizer has momentum."""
@@ -91,9 +92,11 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         return self.initial_lr / n * (epoch * (n - 1) / self.warmup_epochs + 1)
 
     def on_train_batch_begin(self, batch: int, logs: Optional[dict] = None) -> None:
-        if self.epoch > self.warmup_epochs:   # (epoch == warmup_epochs sets initial_lr)
+        if self.epoch >= self.warmup_epochs:   # then the rate is the user's (schedules too)
             return
-        lr = self.learning_rate(self.epoch + batch / self.steps_per_epoch)
+        # Horovod's: the rate of the batch about to run reaches initial_lr on the last
+        # batch of the warm-up (epoch + (batch + 1) / steps)
+        lr = self.learning_rate(self.epoch + (batch + 1) / self.steps_per_epoch)
         model = self.model
         if hasattr(model, "jax_state_sync"):
             model.jax_state_sync()   # the running state back into the variables first

@@ -20,6 +20,7 @@ from typing import Mapping, Optional, Tuple
 __all__ = ["launched_size", "singleton_refusal", "unwired_srun_note"]
 
 _LAUNCHER_SIZES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")   # Open MPI's; MPICH's, Intel's, srun pmi2
+_LAUNCHER_RANKS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")   # and srun's pmix
 
 
 def launched_size(env: Mapping[str, str], count_plain_srun: bool) -> Tuple[Optional[int], str]:
@@ -40,21 +41,31 @@ def launched_size(env: Mapping[str, str], count_plain_srun: bool) -> Tuple[Optio
 def singleton_refusal(env: Mapping[str, str], mpi_size: int) -> Optional[str]:
     """The error when the launcher started several ranks but MPI sees one, else ``None``."""
     launched, source = launched_size(env, count_plain_srun=False)
+    if mpi_size == 1 and (launched is None or launched <= 1):
+        for name in _LAUNCHER_RANKS:   # the launcher's rank 3 that MPI calls 0 of 1
+            if env.get(name, "").isdigit() and int(env[name]) > 0:
+                return (f"the launcher started this process as rank {env[name]} ({name}) "
+                        f"but MPI sees a world of 1 rank: every process would run alone, "
+                        f"train its own copy and write the same checkpoint. " + _fix(env, name))
     if mpi_size != 1 or launched is None or launched <= 1:
         return None
     if source == "SLURM_STEP_NUM_TASKS":
         started = (f"srun started {launched} tasks ({source}, --mpi="
                    f"{env.get('SLURM_MPI_TYPE')})")
-        fix = ("srun's --mpi plug-in must be one this MPI speaks: pmix for Open MPI, pmi2 "
-               "for MPICH and most of its derivatives (srun --mpi=list; SRUN_MPI in "
-               "slurm/site.sh)")
     else:
         started = f"the launcher started {launched} ranks ({source}={launched})"
-        fix = ("launch with the mpirun/mpiexec of the MPI that mpi4py was built against, or "
-               "rebuild mpi4py against the site's MPI (docs/install.md: MPICC=$(which mpicc) "
-               "pip install --no-binary=mpi4py mpi4py); python -m mpistrat doctor checks it")
     return (f"{started} but MPI sees a world of 1 rank: every process would run alone, "
-            f"train its own copy and write the same checkpoint. {fix}")
+            f"train its own copy and write the same checkpoint. {_fix(env, source)}")
+
+
+def _fix(env: Mapping[str, str], source: str) -> str:
+    if env.get("SLURM_STEP_NUM_TASKS", "").isdigit():
+        return ("srun's --mpi plug-in must be one this MPI speaks: pmix for Open MPI, pmi2 "
+                "for MPICH and most of its derivatives (srun --mpi=list; SRUN_MPI in "
+                "slurm/site.sh)")
+    return ("launch with the mpirun/mpiexec of the MPI that mpi4py was built against, or "
+            "rebuild mpi4py against the site's MPI (docs/install.md: MPICC=$(which mpicc) "
+            "pip install --no-binary=mpi4py mpi4py); python -m mpistrat doctor checks it")
 
 
 def unwired_srun_note(env: Mapping[str, str], mpi_size: int) -> Optional[str]:

@@ -150,6 +150,50 @@ def test_warmup_rises_from_lr_over_size_to_lr_as_horovod_does(world):
                         callbacks=[warmup])
     steps = warmup.steps_per_epoch
     assert steps == -(-len(x[mine]) // BATCH)
-    last = [0.04 / n * ((e + (steps - 1) / steps) * (n - 1) / 2 + 1) for e in (0, 1)] + [0.04]
+    # Horovod's: epoch e's last batch runs at initial/n * ((e + 1) * (n - 1) / W + 1), so the
+    # warm-up's last batch runs at initial_lr; after it the rate is left alone
+    last = [0.04 / n * (1 * (n - 1) / 2 + 1), 0.04, 0.04]
     np.testing.assert_allclose(history.history["lr"], last, rtol=1e-6)
     assert warmup.learning_rate(0.0) == pytest.approx(0.04 / n)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_callbacks_given_on_rank_0_only_run_there_without_a_collective(world, tmp_path_factory):
+    """Horovod's examples add ModelCheckpoint and TensorBoard on rank 0 only. Before, the
+    wrapper that runs file writers on rank 0 agreed their errors at each epoch's end in a
+    collective the other ranks (without the callback) never joined."""
+    path = world.comm.bcast(str(tmp_path_factory.mktemp("hvd") / "model.keras")
+                            if world.rank == 0 else None, root=0)
+    x, y = data()
+    model = model_with(hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)))
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
+    if hvd.rank() == 0:
+        callbacks += [keras.callbacks.ModelCheckpoint(path),
+                      keras.callbacks.TensorBoard(os.path.join(os.path.dirname(path), "logs"))]
+    mine = slice(world.rank, None, world.size)
+    model.fit(x[mine], y[mine], batch_size=BATCH, epochs=2, verbose=0, callbacks=callbacks)
+    world.comm.Barrier()
+    assert os.path.exists(path)
+    everyone = hvd.allgather_object(weights(model))
+    for other in everyone:
+        for a, b in zip(other, weights(model)):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_distributed_optimizer_under_mixed_precision_is_kept_inside_the_loss_scale_wrapper(world):
+    """Keras wraps the optimizer in a LossScaleOptimizer under mixed_float16: the model must
+    still be distributed (before, fit was refused as 'compiled outside strategy.scope()')."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y = data()
+        model = model_with(hvd.DistributedOptimizer(keras.optimizers.SGD(0.05)))
+        assert type(model.optimizer).__name__ == "LossScaleOptimizer"
+        mine = slice(world.rank, None, world.size)
+        model.fit(x[mine], y[mine], batch_size=BATCH, epochs=1, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    everyone = hvd.allgather_object(weights(model))
+    for other in everyone:
+        for a, b in zip(other, weights(model)):
+            np.testing.assert_array_equal(a, b)

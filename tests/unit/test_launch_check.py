@@ -41,3 +41,13 @@ def test_srun_without_a_plugin_is_a_note_not_an_error():
     assert unwired_srun_note({"SLURM_STEP_NUM_TASKS": "3", "SLURM_MPI_TYPE": "pmix"}, 1) is None
     assert unwired_srun_note({"SLURM_STEP_NUM_TASKS": "1"}, 1) is None
     assert unwired_srun_note({"SLURM_STEP_NUM_TASKS": "3"}, 3) is None
+
+
+def test_a_launcher_rank_above_0_in_a_world_of_1_is_refused_without_a_size():
+    """srun --mpi=pmix with a site default that sets no SLURM_MPI_TYPE: PMIX_RANK says 2."""
+    refusal = singleton_refusal({"PMIX_RANK": "2", "SLURM_STEP_NUM_TASKS": "4"}, 1)
+    assert refusal.startswith("the launcher started this process as rank 2 (PMIX_RANK) but "
+                              "MPI sees a world of 1 rank")
+    assert "srun's --mpi plug-in" in refusal
+    assert singleton_refusal({"PMIX_RANK": "0"}, 1) is None
+    assert singleton_refusal({"PMI_RANK": "1", "PMI_SIZE": "2"}, 2) is None

@@ -92,7 +92,7 @@ def _with_extents(rows, name, change):
 def test_slices_listed_twice_or_missing_from_the_list_are_refused(copy):
     _rewrite(copy, lambda rows: _with_extents(rows, "part/emb",
                                               lambda s: [{"extent": e} for e in s + s[:1]]))
-    with pytest.raises(DataLossError, match="overlap"):
+    with pytest.raises(DataLossError, match=r"'part/emb': its slices cover \d+ of its 70"):
         bundle.read_index(str(copy))
     _rewrite(copy, lambda rows: _with_extents(rows, "part/emb",
                                               lambda s: [{"extent": e} for e in s[1:]]))
@@ -112,8 +112,8 @@ def test_the_tiling_rule():
     tile_check((4, 3), [((0, 0), (4, 1)), ((0, 1), (4, 3))], "v")
     with pytest.raises(DataLossError, match="outside the shape"):
         tile_check((4, 3), [((0, 0), (5, 3))], "v")
-    with pytest.raises(DataLossError, match="overlap"):
-        tile_check((4, 3), [((0, 0), (3, 3)), ((2, 0), (4, 3))], "v")
+    with pytest.raises(DataLossError, match="overlaps another"):   # (the counts add up)
+        tile_check((4, 3), [((0, 0), (3, 3)), ((2, 0), (3, 3))], "v")
     with pytest.raises(DataLossError, match="cover 9 of its 12"):
         tile_check((4, 3), [((0, 0), (3, 3))], "v")
 
@@ -130,3 +130,18 @@ def test_convert_writes_the_reassembled_tensors(tmp_path):
         for key, expected in REPORT[SLICED[1]].items():
             value = handle[key][()]
             assert np.ascontiguousarray(value).tobytes().hex() == expected["hex"], key
+
+
+def test_zero_size_and_crafted_many_slices_are_refused_quickly():
+    import time
+    with pytest.raises(DataLossError, match="outside the shape"):
+        tile_check((0, 4), [((0, 100), (0, 102))], "v")
+    tile_check((0, 4), [((0, 0), (0, 4))], "v")                 # an empty tensor, one slice
+    # slices along the second axis sharing their first span: linear, not pairwise
+    n = 4000
+    slices = [((0, k), (2, k + 1)) for k in range(n)]
+    start = time.monotonic()
+    tile_check((2, n), slices, "v")
+    with pytest.raises(DataLossError, match="overlaps another"):
+        tile_check((2, n), slices[:-1] + [((0, 0), (2, 1))], "v")
+    assert time.monotonic() - start < 5.0

@@ -178,7 +178,13 @@ def DistributedOptimizer(optimizer: Any, name: str = None, compression: Any = Co
                          op: Any = Average, **kwargs: Any) -> Any:  # noqa: N802 - Horovod's name
     """``optimizer`` (a Keras 3 optimizer), marked so that ``model.compile(optimizer=...)``
     makes the model average each step's gradients over the ranks, each rank training on
-    its own rows. Returns the same optimizer object."""
+    its own rows; returns the same optimizer object. Given an optax
+    ``GradientTransformation``, returns ``optax.chain(ms.nn.aggregate_gradients(...), tx)``:
+    the gradients averaged over the ranks (inside ``jax.jit`` too) before ``tx`` sees them::
+
+        tx = hvd.DistributedOptimizer(optax.adam(1e-3))
+        opt_state = tx.init(params)       # then tx.update(grads, opt_state, params) per step
+    """
     if compression not in (None, Compression.none):
         raise ValueError(f"hvd.DistributedOptimizer: compression={compression!r} is not "
                          f"supported; gradients travel uncompressed (Compression.none)")
@@ -188,6 +194,11 @@ def DistributedOptimizer(optimizer: Any, name: str = None, compression: Any = Co
         raise ValueError(f"hvd.DistributedOptimizer: op={op!r} is not supported; gradients "
                          f"are averaged over the ranks (op=hvd.Average)")
     _strategy()
+    if not hasattr(optimizer, "apply_gradients") and hasattr(optimizer, "update") and \
+            hasattr(optimizer, "init"):                       # an optax transformation
+        import optax
+        from mpistrat.nn import aggregate_gradients
+        return optax.chain(aggregate_gradients(_strategy(), "MEAN"), optimizer)
     from mpistrat import keras_hooks
     keras_hooks.install()
     optimizer._mpistrat_horovod = _strategy()

@@ -197,3 +197,38 @@ def test_distributed_optimizer_under_mixed_precision_is_kept_inside_the_loss_sca
     for other in everyone:
         for a, b in zip(other, weights(model)):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.mpi(min_size=1)
+def test_distributed_optimizer_of_an_optax_transformation_averages_inside_jit(world):
+    """Each rank its own batch; the jitted step's update is the one of the mean gradient, so
+    the parameters equal one process's step on the union of the batches, on every rank."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    x, y = data()
+    n, r = world.size, world.rank
+    mine = slice(r * BATCH, (r + 1) * BATCH)
+    params = {"w": jnp.zeros((4, 2)), "b": jnp.zeros(2)}
+
+    def loss(p, xb, yb):
+        return jnp.mean((xb @ p["w"] + p["b"] - yb) ** 2)
+    tx = hvd.DistributedOptimizer(optax.sgd(0.1))
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p, s, xb, yb):
+        grads = jax.grad(loss)(p, xb, yb)
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+    for _ in range(3):
+        params, state = step(params, state, x[mine], y[mine])
+    alone = {"w": jnp.zeros((4, 2)), "b": jnp.zeros(2)}
+    for _ in range(3):
+        grads = jax.grad(loss)(alone, x[:n * BATCH], y[:n * BATCH])
+        alone = jax.tree_util.tree_map(lambda a, g: a - 0.1 * g, alone, grads)
+    for key in params:
+        np.testing.assert_allclose(np.asarray(params[key]), np.asarray(alone[key]), rtol=1e-5,
+                                   atol=1e-6)
+    gathered = hvd.allgather_object(np.asarray(params["w"]))
+    assert all(np.array_equal(g, gathered[0]) for g in gathered)

@@ -10,8 +10,9 @@
 #   SRUN_MPI      srun's MPI plug-in: pmix (default), pmi2, cray_shasta, ...; `srun --mpi=list`
 #                 shows the site's; it must match how the site's MPI was built
 #
-# Partition, account and QOS need no edit: sbatch reads SBATCH_PARTITION, SBATCH_ACCOUNT and
-# SBATCH_QOS from the environment, or take -p/-A/-q on its command line:
+# Partition, account, QOS, time and GPUs need no edit: sbatch reads SBATCH_PARTITION,
+# SBATCH_ACCOUNT, SBATCH_QOS, SBATCH_TIMELIMIT and SBATCH_GPUS_PER_NODE from the environment, or
+# takes -p/-A/-q/-t/--gpus-per-node on its command line:
 #   SBATCH_ACCOUNT=proj42 SBATCH_PARTITION=gpu SITE_MODULES="openmpi/4.1.6 hdf5/1.14.3-mpi" \
 #       sbatch slurm/train_multi_node.sbatch
 if [ -n "${SITE_MODULES:-}" ]; then

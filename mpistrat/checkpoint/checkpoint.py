@@ -77,6 +77,23 @@ class CheckpointOptions:
         return self.enable_async or self.experimental_enable_async_checkpoint
 
 
+def _refuse_no_match(path: str, matched, missing, unmatched) -> None:
+    """A restore where our objects and the file's values exist but none met (the paths
+    differ throughout) restores nothing: ``ValueError``, even where ``expect_partial()``
+    would follow (TensorFlow's ``assert_nontrivial_match``). The same on every rank: the
+    ranks agreed the plan the sets come from."""
+    ours = sorted(set(missing) - {"save_counter"})
+    theirs = sorted(set(unmatched) - {"save_counter"})
+    if matched - {"save_counter"} or not ours or not theirs:
+        return
+    raise ValueError(
+        f"restoring {path}: none of our {len(ours)} objects found a value among the file's "
+        f"{len(theirs)}: the paths differ throughout (ours: {ours[:3]}, the file's: "
+        f"{theirs[:3]}); nothing was restored. Build the objects as they were saved (the same "
+        f"attribute names); a Keras checkpoint converted from TensorFlow keeps TensorFlow's "
+        f"paths: restore the TensorFlow checkpoint itself instead")
+
+
 class CheckpointLoadStatus:
     """What a restore matched; the ``assert_*`` methods raise ``AssertionError``.
 
@@ -284,6 +301,7 @@ class Checkpoint:
             object.__setattr__(self, "_pending", pending)
             object.__setattr__(self, "_status", CheckpointLoadStatus(
                 path, matched, set(pending.unmatched), missing, lambda: self._refresh(None)))
+            _refuse_no_match(path, matched, missing, set(pending.unmatched))
             self._hook_unbuilt(collect_slots(self._named()))
             return self._status
         final = data_file(path)
@@ -306,6 +324,7 @@ class Checkpoint:
         status = CheckpointLoadStatus(final, matched, pending, required_paths(slots) - saved,
                                       lambda: self._refresh(saved))
         object.__setattr__(self, "_status", status)
+        _refuse_no_match(final, matched, status.missing_objects, set(pending))
         self._hook_unbuilt(slots)
         return status
 

@@ -78,3 +78,25 @@ def test_relative_and_absolute_spellings_of_one_path_agree(world, strategy, shar
         assert ckpt.save(spelled).endswith("ckpt-1")
     finally:
         os.chdir(here)
+
+
+
+class _Net:
+    def __init__(self, value):
+        self.kernel = ms.Variable(np.full((2, 3), value, np.float32))
+        self.bias = ms.Variable(np.full(3, value, np.float32))
+
+
+def test_a_restore_whose_paths_differ_throughout_raises_on_every_rank(world, strategy, shared):
+    """Objects renamed since the save (or a TensorFlow-converted Keras file restored into a
+    Keras 3 model): nothing matches. Before, restore returned a status and expect_partial()
+    hid that every value stayed at its initial value."""
+    path = ms.Checkpoint(model=_Net(1.0)).write(os.path.join(shared, "renamed"))
+    fresh = _Net(0.0)
+    with pytest.raises(ValueError, match=r"none of our 2 objects found a value among the "
+                                         r"file's 2: the paths differ throughout"):
+        ms.Checkpoint(network=fresh).restore(path).expect_partial()
+    assert float(fresh.kernel.numpy()[0, 0]) == 0.0 and float(fresh.bias.numpy()[0]) == 0.0
+    partly = ms.Checkpoint(model=_Net(0.0), extra=ms.Variable(np.zeros(2, np.float32)))
+    status = partly.restore(path)                        # a partial restore stays one
+    assert "extra" in status.missing_objects and "model/kernel" in status.matched

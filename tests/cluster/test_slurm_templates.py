@@ -114,6 +114,7 @@ def test_site_block_runs_mpich_under_pmi2_and_a_wrong_plugin_is_refused(cluster,
     info, output = cluster.sbatch(ROOT / "slurm" / "demo.sbatch", "--ntasks-per-node=2",
                                   cwd=ROOT, out_dir=tmp_path, env=dict(env, SRUN_MPI="pmix"))
     assert "JobState=FAILED" in info, info + output
+    # every task refuses; srun may end the others when the first exits, before they print
     assert output.count("UnavailableError: srun started 4 tasks (SLURM_STEP_NUM_TASKS, "
-                        "--mpi=pmix) but MPI sees a world of 1 rank") == 4, output
-    assert "replicas=1" not in output, output
+                        "--mpi=pmix) but MPI sees a world of 1 rank") >= 1, output
+    assert "replicas=" not in output, output              # no task trained alone

@@ -81,6 +81,12 @@ def weights(model):
     return [np.asarray(v.value) for v in model.weights]
 
 
+def same_weights_on_every_rank(model):
+    for other in hvd.allgather_object(weights(model)):
+        for a, b in zip(other, weights(model)):
+            np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.mpi(min_size=1)
 def test_distributed_optimizer_trains_like_one_process_on_the_union_of_the_batches(world):
     n, r = world.size, world.rank
@@ -90,10 +96,7 @@ def test_distributed_optimizer_trains_like_one_process_on_the_union_of_the_batch
     history = model.fit(x[mine], y[mine], batch_size=BATCH, epochs=2, shuffle=False,
                         verbose=0, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                                               hvd.callbacks.MetricAverageCallback()])
-    everyone = hvd.allgather_object(weights(model))
-    for other in everyone:                                    # the same weights on every rank
-        for a, b in zip(other, weights(model)):
-            np.testing.assert_array_equal(a, b)
+    same_weights_on_every_rank(model)
     # one process: global batch b is the union of every rank's batch b
     shards = [np.arange(48)[k::n] for k in range(n)]
     order = np.concatenate([np.concatenate([s[b * BATCH:(b + 1) * BATCH] for s in shards])
@@ -174,10 +177,7 @@ def test_callbacks_given_on_rank_0_only_run_there_without_a_collective(world, tm
     model.fit(x[mine], y[mine], batch_size=BATCH, epochs=2, verbose=0, callbacks=callbacks)
     world.comm.Barrier()
     assert os.path.exists(path)
-    everyone = hvd.allgather_object(weights(model))
-    for other in everyone:
-        for a, b in zip(other, weights(model)):
-            np.testing.assert_array_equal(a, b)
+    same_weights_on_every_rank(model)
 
 
 @pytest.mark.mpi(min_size=1)
@@ -193,10 +193,7 @@ def test_distributed_optimizer_under_mixed_precision_is_kept_inside_the_loss_sca
         model.fit(x[mine], y[mine], batch_size=BATCH, epochs=1, verbose=0)
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    everyone = hvd.allgather_object(weights(model))
-    for other in everyone:
-        for a, b in zip(other, weights(model)):
-            np.testing.assert_array_equal(a, b)
+    same_weights_on_every_rank(model)
 
 
 @pytest.mark.mpi(min_size=1)

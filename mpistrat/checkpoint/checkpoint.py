@@ -49,6 +49,7 @@ from mpistrat.checkpoint.directory import (io_engine, latest_checkpoint, prepare
 from mpistrat.checkpoint.frameworks import install_build_hook
 from mpistrat.checkpoint.files import data_file, local_view, missing_hint
 from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots, required_paths
+from mpistrat.checkpoint.pytrees import as_saved, saved_kind
 from mpistrat.checkpoint.matching import (agree_plan, check_compatible as _check_compatible,
                                           fit_to_slot, read_batches)
 from mpistrat.checkpoint.h5read import Reader, read_catalog, read_entry, read_values
@@ -248,7 +249,7 @@ class Checkpoint:
                                    "was initialised with less")
             # An async save stages a copy (training may change the values meanwhile).
             values = {p: np.array(s.read(), copy=asynchronous) for p, s in sorted(slots.items())}
-            kinds = {p: s.kind for p, s in slots.items()}
+            kinds = {p: saved_kind(s) for p, s in slots.items()}
         except BaseException:
             if on_failure is not None:
                 on_failure()
@@ -316,7 +317,7 @@ class Checkpoint:
                            nbytes=sum(e.nbytes for e in wanted.values())), \
                 Reader(wanted, engine) as reader:
             for batch in read_batches(wanted):  # read, verify, apply: old values freed as we go
-                matched |= self._apply(slots, read_values(final, reader, batch), final)
+                matched |= self._apply(slots, read_values(final, reader, batch), final, wanted)
         # values without an object yet are read when one is attached (never before)
         pending = {p: e for p, e in catalog.items() if p not in matched}
         object.__setattr__(self, "_pending", pending)
@@ -328,9 +329,12 @@ class Checkpoint:
         self._hook_unbuilt(slots)
         return status
 
-    def _apply(self, slots: Dict[str, Slot], values: Dict[str, np.ndarray], source: str):
+    def _apply(self, slots: Dict[str, Slot], values: Dict[str, np.ndarray], source: str,
+               entries=None):
         """Write ``values`` into their slots; a value counts as restored only once written
-        (then immutable nodes are rebuilt and rebound: ``SlotMap.finish``)."""
+        (then immutable nodes are rebuilt and rebound: ``SlotMap.finish``). A Python number
+        whose file value was saved from an array (``entries``) comes back as that array:
+        types are restored as saved (a Flax ``TrainState.step`` saved as a JAX int32)."""
         matched, states = set(), {}
         for path in sorted(set(slots) & set(values)):
             slot, value = slots[path], values[path]
@@ -338,6 +342,9 @@ class Checkpoint:
             value = fit_to_slot(slot, value)   # (an integer of another width that fits)
             if slot.kind == "state":
                 states.setdefault(id(slot.owner), (slot.owner, {}))[1][path.rsplit("/", 1)[1]] = value
+            elif slot.rebind is not None and entries and path in entries and \
+                    entries[path].kind == "array":
+                slot.rebind(as_saved(value, entries[path].array_type))
             elif slot.write is not None:
                 slot.write(value)
             else:

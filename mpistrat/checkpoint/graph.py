@@ -103,6 +103,7 @@ class Slot:
     owner: Any = field(default=None, repr=False)
     shape: Optional[tuple] = None
     dtype: Optional[np.dtype] = None
+    rebind: Optional[Callable[[Any], None]] = field(default=None, repr=False)  # numbers
 
 
 class SlotMap(dict):
@@ -283,7 +284,7 @@ def _number_slot(path, value, setter) -> Slot:
     else:
         convert = {"bool": bool, "int": int, "float": float}[kind]
     return Slot(path, kind, lambda: np.asarray(value),
-                None if setter is None else lambda v: setter(convert(v[()])))
+                None if setter is None else lambda v: setter(convert(v[()])), rebind=setter)
 
 
 def _leaf_slot(obj: Any, path: str, setter) -> Optional[Slot]:

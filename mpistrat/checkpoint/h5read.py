@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
-from mpistrat.checkpoint.dtypes import DTYPE_ATTR, logical_dtype
+from mpistrat.checkpoint.dtypes import ARRAY_TYPE_ATTR, DTYPE_ATTR, logical_dtype
 from mpistrat.checkpoint.files import part_match
 from mpistrat.checkpoint.graph import check_path
 from mpistrat.checkpoint.h5write import checksum
@@ -62,6 +62,7 @@ class Entry:
     source: str = ""                          # the checkpoint file
     files: Dict[str, OpenFile] = field(default_factory=dict, repr=False)  # path -> open file
     inline: Optional[np.ndarray] = field(default=None, repr=False)  # tiny compact values
+    array_type: str = ""                      # "jax": saved from a JAX array
 
     @property
     def nbytes(self) -> int:
@@ -155,6 +156,9 @@ def _entry(final: str, files: Dict[str, OpenFile], dset: h5py.Dataset, name: str
     sums = check_checksums(_array_attr(dset, "mpistrat_checksums", where, 1).tolist(),
                            len(partitions), where)
     entry = Entry(name, shape, dtype, kind, partitions, sums, [], final, files)
+    if ARRAY_TYPE_ATTR in dset.attrs and _scalar_attr(dset, ARRAY_TYPE_ATTR, where) in \
+            ("jax", b"jax"):        # (anything else: a later version's type, read as NumPy)
+        entry.array_type = "jax"
     dcpl = dset.id.get_create_plist()
     layout = dcpl.get_layout()
     if layout == h5py.h5d.VIRTUAL:

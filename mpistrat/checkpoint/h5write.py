@@ -39,7 +39,7 @@ import numpy as np
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.checkpoint import h5layout
 from mpistrat.checkpoint.consensus import agree_values, value_digest
-from mpistrat.checkpoint.dtypes import DTYPE_ATTR, to_stored
+from mpistrat.checkpoint.dtypes import ARRAY_TYPE_ATTR, DTYPE_ATTR, to_stored
 from mpistrat.checkpoint.files import (MARKER, USERBLOCK, create_exclusive, part_name,
                                        remove_checkpoint, same_file, temp_name)
 from mpistrat.checkpoint.layout import partition_owner, write_partitions
@@ -252,12 +252,15 @@ def _write_blocks(path: str, blocks) -> None:
 
 def _attrs(plan: _Plan, kinds, checksums, path: str) -> Dict:
     parts = plan.layouts[path]
-    attrs = {"mpistrat_kind": kinds[path],
+    kind, _, array_type = kinds[path].partition(":")   # "array:jax": saved from a JAX array
+    attrs = {"mpistrat_kind": kind,
              "mpistrat_partitions": np.array(parts, dtype=np.int64),
              "mpistrat_checksums": np.array([checksums[(path, k)] for k in range(len(parts))],
                                             dtype=np.uint32)}
     if path in plan.dtype_names:
         attrs[DTYPE_ATTR] = plan.dtype_names[path]
+    if array_type:
+        attrs[ARRAY_TYPE_ATTR] = array_type
     return attrs
 
 

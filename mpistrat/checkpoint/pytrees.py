@@ -24,7 +24,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import numpy as np
 
 __all__ = ["is_jax_array", "jax_read", "jax_rebuilt", "node_children", "Rebuild",
-           "readonly_rebuilt"]
+           "readonly_rebuilt", "saved_kind", "as_saved"]
 
 
 def _jax():
@@ -70,6 +70,25 @@ def jax_shape_dtype(array) -> Tuple[tuple, np.dtype]:
         data = _jax().random.key_data(array)
         return tuple(data.shape), np.dtype(data.dtype)
     return tuple(array.shape), np.dtype(array.dtype)
+
+
+def saved_kind(slot) -> str:
+    """The kind a slot is saved with: ``array:jax`` for a JAX array, so that a restore into
+    a Python number (a fresh Flax ``TrainState.step`` is ``0``) gives a JAX array again."""
+    return "array:jax" if slot.kind == "array" and is_jax_array(slot.owner) else slot.kind
+
+
+def as_saved(value: np.ndarray, array_type: str):
+    """A scalar read from a file as the type it was saved from: a JAX array (when the
+    program has imported JAX) or a NumPy scalar, of the saved dtype.
+
+        >>> as_saved(np.asarray(5, np.int32), "")
+        np.int32(5)
+    """
+    jax = _jax()
+    if array_type == "jax" and jax is not None:
+        return jax.numpy.asarray(value)
+    return np.asarray(value)[()]
 
 
 def readonly_rebuilt(value: np.ndarray) -> np.ndarray:

@@ -101,6 +101,23 @@ def test_jax_pytrees_optax_states_and_numbers_round_trip(world, shared_dir):
 
 
 @pytest.mark.mpi(min_size=1)
+def test_flax_train_state_step_comes_back_as_the_jax_array_it_was_saved_as(world, shared_dir):
+    train_state = pytest.importorskip("flax.training.train_state")
+    params, tx = params_of(3), optax.sgd(0.1)
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+    state = state.replace(step=jnp.asarray(41, jnp.int32) + 1)     # as a jitted step leaves it
+    path = ms.Checkpoint(state=state, epoch=np.int16(3), seen=7).save(shared_dir + "/flax")
+    fresh = ms.Checkpoint(state=train_state.TrainState.create(apply_fn=None, params=params,
+                                                                tx=tx), epoch=0, seen=0)
+    assert type(fresh.state.step) is int                   # what TrainState.create holds
+    fresh.restore(path).assert_consumed()
+    step = fresh.state.step
+    assert isinstance(step, jax.Array) and step.dtype == jnp.int32 and int(step) == 42
+    assert type(fresh.epoch) is np.int16 and fresh.epoch == 3   # a NumPy scalar stays one
+    assert type(fresh.seen) is int and fresh.seen == 7           # a Python int stays one
+
+
+@pytest.mark.mpi(min_size=1)
 def test_bfloat16_jax_arrays_round_trip(world, shared_dir):
     params = params_of(2, jnp.bfloat16)
     path = ms.Checkpoint(params=params).save(shared_dir + "/bf16")

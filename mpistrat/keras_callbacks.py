@@ -2,9 +2,11 @@
 starts, and callbacks that write files writing once, from rank 0.
 
 Every rank runs the same ``fit``, so a callback given to it runs on every rank.
-``ModelCheckpoint`` and ``CSVLogger`` would then write the same file from every rank at
-once (HDF5's lock refuses the second writer: ``unable to lock file, errno = 11``; a CSV gets
-its lines several times). Keras's ``TensorBoard`` needs TensorFlow: it is swapped for
+``ModelCheckpoint``, ``BackupAndRestore`` and ``CSVLogger`` would then write the same file
+from every rank at once (HDF5's lock refuses the second writer: ``unable to lock file, errno
+= 11``; a CSV gets its lines several times). ``BackupAndRestore`` restores on every rank: rank
+0 first (it may repair a torn backup from the previous one), then the others, from the same
+files. Keras's ``TensorBoard`` needs TensorFlow: it is swapped for
 ``ms.summary.TensorBoard``. ``for_fit`` hands Keras these callbacks wrapped so that they run on
 rank 0 alone; every rank meets rank 0 at the end of each epoch and of training, so the
 files are complete when ``fit`` returns anywhere, and a failure there (a full disk) raises
@@ -19,11 +21,16 @@ from typing import Any, Callable, List, Optional, Sequence
 __all__ = ["for_fit", "RANK_ZERO_CALLBACKS"]
 
 RANK_ZERO_CALLBACKS = ("ModelCheckpoint", "CSVLogger",    # Keras callbacks that write files
+                       "BackupAndRestore",               # (restored on every rank too)
                        "TensorBoardScalars")             # (ms.summary.TensorBoard)
 _HOOKS = ("on_epoch_begin", "on_epoch_end", "on_train_begin", "on_train_end",
           "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
           "on_test_batch_begin", "on_test_batch_end", "on_predict_begin", "on_predict_end",
           "on_predict_batch_begin", "on_predict_batch_end")
+
+
+def _restores(callback) -> bool:
+    return any(base.__name__ == "BackupAndRestore" for base in type(callback).__mro__)
 
 
 def _writes_files(callback) -> bool:
@@ -63,16 +70,25 @@ def for_fit(model: Any, strategy: Any, callbacks: Optional[Sequence],
             super().set_params(params)
             self.inner.set_params(params)
 
+    def run(self, name, args, kwargs, here):
+        if here and self.failure is None:
+            try:
+                getattr(self.inner, name)(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - agreed below, raised on every rank
+                self.failure = Failure(err, rank, f"{type(self.inner).__name__}.{name}")
+
     def delegate(name):
         def hook(self, *args, **kwargs):
-            if rank == 0 and self.failure is None:
-                try:
-                    getattr(self.inner, name)(*args, **kwargs)
-                except Exception as err:  # noqa: BLE001 - agreed below, raised on every rank
-                    self.failure = Failure(err, 0, f"{type(self.inner).__name__}.{name}")
+            what = f"a callback that runs on rank 0 ({type(self.inner).__name__})"
+            run(self, name, args, kwargs, rank == 0)
+            if name == "on_train_begin" and _restores(self.inner):
+                # BackupAndRestore: rank 0 repairs the backup if it must (Keras copies the
+                # previous one over a torn one), then every other rank loads the same files
+                agree_errors(engine, self.failure, what)
+                run(self, name, args, kwargs, rank != 0)
+                agree_errors(engine, self.failure, f"{what} restoring its backup")
             if name in ("on_epoch_end", "on_train_end"):   # (every rank: the files are
-                agree_errors(engine, self.failure,           # complete, or all raise)
-                             f"a callback that runs on rank 0 ({type(self.inner).__name__})")
+                agree_errors(engine, self.failure, what)     # complete, or all raise)
         return hook
 
     for name in _HOOKS:

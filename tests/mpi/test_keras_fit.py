@@ -347,6 +347,48 @@ def test_callbacks_that_write_files_write_once_from_rank_0(world, shared_dir):
         np.testing.assert_array_equal(got, want)
 
 
+class StopAt(keras.callbacks.Callback):
+    """Interrupts training at the end of an epoch, as a preempted job would end."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise KeyboardInterrupt(f"stopped after epoch {epoch}")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_backup_and_restore_resumes_every_rank_from_rank_0s_backup(world, shared_dir):
+    """Before, every rank wrote the backup (HDF5: 'unable to lock file'). Now rank 0 writes
+    it and every rank restores it: the interrupted run resumes at the next epoch and ends
+    with the weights of a run that was never interrupted."""
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x, y = data()
+    backup = os.path.join(shared_dir, "backup")
+    with strategy.scope():
+        model = build()
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0,
+                  callbacks=[keras.callbacks.BackupAndRestore(backup), StopAt(1)])
+    assert sorted(os.listdir(backup)) == ["latest.weights.h5", "training_metadata.json"]
+    with strategy.scope():
+        resumed = build()       # fresh weights, as a restarted job has
+    seen = []
+    epochs = keras.callbacks.LambdaCallback(on_epoch_begin=lambda e, logs: seen.append(e))
+    resumed.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0,
+                callbacks=[keras.callbacks.BackupAndRestore(backup), epochs])
+    assert seen == [2, 3]
+    assert not os.path.exists(backup)         # deleted at the end of training, as in Keras
+    with strategy.scope():
+        whole = build()
+    whole.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0)
+    for got, want in zip(weights(resumed), weights(whole)):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    same_on_every_rank(strategy, weights(resumed))
+
+
 @pytest.mark.mpi(min_size=1)
 def test_a_failing_rank_0_callback_raises_on_every_rank(world, shared_dir):
     """ModelCheckpoint cannot write (its directory is a regular file): rank 0's error is

@@ -29,6 +29,7 @@ import numpy as np
 
 from mpistrat import nest
 from mpistrat.data import ops, shuffles
+from mpistrat.data.cache import Cache
 from mpistrat.data.options import Options
 from mpistrat.data.plans import workers_for
 
@@ -182,6 +183,25 @@ class Dataset:
     def enumerate(self, start: int = 0) -> "Dataset":
         """Pairs ``(index, element)``."""
         return self._wrap(ops.Enumerate(self._node, start))
+
+    def cache(self, filename: str = "") -> "Dataset":
+        """Keep the elements of the first iteration in memory; every later iteration
+        yields them again (a ``map`` below runs once per element, a shuffle below is
+        frozen, one above reshuffles). Under a distributed dataset each rank keeps only
+        its own rows. ``cache(filename)`` (tf.data's on-disk cache) is refused: write the
+        prepared rows once (``np.save``, HDF5) and read them with ``NpyDataset`` or
+        ``HDF5Dataset``, which every rank reads its part of.
+
+            >>> ds = Dataset.range(3).map(lambda x: x * 2).cache()
+            >>> [int(x) for x in ds] == [int(x) for x in ds] == [0, 2, 4]
+            True
+        """
+        if filename:
+            raise NotImplementedError(
+                f"cache({filename!r}): mpistrat caches in memory only (cache() without a "
+                f"filename); for a copy on disk, write the prepared rows once (np.save, "
+                f"HDF5) and read them with ms.data.NpyDataset or ms.data.HDF5Dataset")
+        return self._wrap(Cache(self._node))
 
     def prefetch(self, buffer_size: int = 1) -> "Dataset":
         """Produce up to ``buffer_size`` elements ahead in a background thread

@@ -53,6 +53,9 @@ def _operation(node: ops.Node):
     kind = type(node).__name__
     if kind in ("Map", "Prefetch"):
         return None
+    if kind == "Cache":   # it changes the order only by freezing a reshuffle below it
+        below = ops.walk(node)
+        return ("Cache",) if any(getattr(n, "reshuffle", False) for n in below) else None
     if kind == "Source" or getattr(node, "reader", None) is not None:
         return ("source", node.name if kind == "Source" else type(node.reader).__name__)
     fields = [getattr(node, f, None) for f in

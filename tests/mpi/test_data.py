@@ -121,3 +121,35 @@ def test_iterator_state_round_trip_through_a_checkpoint(strategy, world, tmp_pat
     everyone = world.comm.allgather(seen + rest)
     rows = sorted(x for steps in everyone for batch in steps for x in batch)
     assert rows == sorted(list(range(40)) * 2)  # nothing repeated, nothing skipped
+
+
+@pytest.mark.mpi(min_size=1)
+def test_cache_under_a_distributed_dataset_keeps_each_ranks_rows_and_resumes(
+        strategy, world, tmp_path_factory):
+    """Each rank computes (and keeps) the rows it is asked for, once; the global batches of each
+    epoch are those of the same pipeline without cache (a global shuffle above reshuffles
+    them); an iterator saved in epoch 1 and restored in a new process-like pipeline (nothing
+    cached yet) continues with the same rows."""
+    directory = world.comm.bcast(str(tmp_path_factory.mktemp("cache")) if world.rank == 0
+                                 else None)
+    calls = []
+
+    def pipeline(cache):
+        dataset = Dataset.range(23).map(lambda x: calls.append(int(x)) or x * 3,
+                                        vectorized=False)
+        dataset = dataset.cache() if cache else dataset
+        return strategy.experimental_distribute_dataset(
+            dataset.global_shuffle(seed=5).repeat(3).batch(4))
+
+    def rows(batches):
+        return [batch.values[0].tolist() for batch in batches]
+
+    iterator = iter(pipeline(cache=True))
+    seen = rows(next(iterator) for _ in range(8))             # into the second epoch
+    path = ms.Checkpoint(iterator=iterator).save(directory + "/ckpt")
+    rest = rows(iterator)
+    assert len(calls) == len(set(calls))                      # each row computed once
+    assert seen + rest == rows(pipeline(cache=False))         # the same global batches
+    resumed = iter(pipeline(cache=True))
+    ms.Checkpoint(iterator=resumed).restore(path).assert_consumed()
+    assert rows(resumed) == rest

@@ -64,3 +64,62 @@ def test_prefetch_reraises_producer_errors():
         return x
     with pytest.raises(RuntimeError, match="bad element 3"):
         list(Dataset.range(5).map(boom).prefetch(2))
+
+
+class Counting:
+    """A map function that counts its calls (one per element it computes)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        return x * 10
+
+
+@pytest.mark.parametrize("planned", [True, False])
+def test_cache_computes_each_element_once_and_freezes_a_shuffle_below_it(planned):
+    square = Counting()
+    base = Dataset.range(12) if planned else Dataset(lambda: iter(np.arange(12)))
+    cached = base.shuffle(12, seed=3).map(square).cache()
+    assert (cached._node.blocker() is None) == planned
+    epochs = [values(cached) for _ in range(3)]
+    assert epochs[0] == epochs[1] == epochs[2] and sorted(epochs[0]) == list(range(0, 120, 10))
+    assert square.calls == 12                              # the map ran once per element
+    uncached = values(base.shuffle(12, seed=3).map(lambda x: x * 10))
+    assert epochs[0] == uncached                           # the first iteration's elements
+
+
+def test_cache_below_a_reshuffle_gives_a_new_order_of_the_same_elements_each_epoch():
+    square = Counting()
+    dataset = Dataset.range(50).map(square).cache().shuffle(50, seed=1)
+    first, second = values(dataset), values(dataset)
+    assert first != second and sorted(first) == sorted(second) == list(range(0, 500, 10))
+    assert square.calls == 50
+    plain = Dataset.range(50).map(lambda x: x * 10).shuffle(50, seed=1)
+    assert [first, second] == [values(plain), values(plain)]    # transparent to the order
+
+
+def test_cache_keeps_nothing_from_an_iteration_abandoned_midway():
+    square = Counting()
+    dataset = Dataset(lambda: iter(range(6))).map(square).cache()
+    iterator = iter(dataset)
+    assert [next(iterator), next(iterator)] == [0, 10]
+    assert values(dataset) == [0, 10, 20, 30, 40, 50] and square.calls == 8
+    assert values(dataset) == [0, 10, 20, 30, 40, 50] and square.calls == 8
+
+
+@pytest.mark.parametrize("planned", [True, False])
+def test_cached_batches_cannot_be_changed_by_the_caller(planned):
+    base = Dataset.range(7) if planned else Dataset(lambda: iter(np.arange(7)))
+    dataset = base.batch(3).cache().repeat(2)
+    assert values(dataset) == [[0, 1, 2], [3, 4, 5], [6]] * 2
+    batch = next(iter(dataset))
+    with pytest.raises(ValueError, match="read-only"):
+        batch[:] = -1                                      # tf.data's tensors are immutable
+    assert values(dataset) == [[0, 1, 2], [3, 4, 5], [6]] * 2
+
+
+def test_cache_to_a_file_is_refused_with_the_alternative():
+    with pytest.raises(NotImplementedError, match="NpyDataset"):
+        Dataset.range(3).cache("/tmp/cache")

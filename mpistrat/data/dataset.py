@@ -31,7 +31,7 @@ from mpistrat import nest
 from mpistrat.data import ops, shuffles
 from mpistrat.data.cache import Cache
 from mpistrat.data.options import Options
-from mpistrat.data.plans import workers_for
+from mpistrat.data.mapping import workers_for
 
 __all__ = ["Dataset", "TensorSpec", "AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY"]
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, List, Mapping, NamedTuple, Optional,
 import numpy as np
 
 from mpistrat import nest
-from mpistrat.data import plans
+from mpistrat.data import mapping, plans
 from mpistrat.data.rows import Rows, stack_elements
 from mpistrat.data.threads import prefetched
 
@@ -171,7 +171,7 @@ class Map(Unary):
 
     def sequential(self, it):
         if not self.vectorized or self.batch_size is not None:
-            return (plans.apply(self.fn, e) for e in self.input.elements(it))
+            return (mapping.apply(self.fn, e) for e in self.input.elements(it))
         return self._chunked(it)
 
     def _chunked(self, it):
@@ -180,7 +180,7 @@ class Map(Unary):
             chunk = list(itertools.islice(elements, 256))
             if not chunk:
                 return
-            yield from plans.map_stacked(self.fn, Rows.stacked_as(stack_elements(chunk),
+            yield from mapping.map_stacked(self.fn, Rows.stacked_as(stack_elements(chunk),
                                                                   len(chunk)), 1).elements()
 
 
@@ -198,7 +198,7 @@ class Filter(Unary):
         return UNKNOWN
 
     def sequential(self, it):
-        return (e for e in self.input.elements(it) if bool(plans.apply(self.predicate, e)))
+        return (e for e in self.input.elements(it) if bool(mapping.apply(self.predicate, e)))
 
 
 class Repeat(Unary):

@@ -18,18 +18,17 @@ for nothing else, and any step of any epoch is one computation away::
     [64]
 """
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from mpistrat import nest
 from mpistrat.data.held import Held, sorted_unique
+from mpistrat.data.mapping import apply, as_leaf, map_stacked, parallel_map
 from mpistrat.data.rows import Rows
 
 __all__ = ["Plan", "SourcePlan", "MapRows", "ZipRows", "EnumerateRows", "Remap", "Repeat",
-           "BatchRows", "MapBatches", "parallel_map"]
+           "BatchRows", "MapBatches"]
 
 Request = Tuple[int, int, int]   # (batch index, first row, stop row)
 
@@ -57,37 +56,6 @@ class Plan:
         """Read ahead what ``gather(wanted)`` (row plans: indices) or ``rows(wanted)``
         (batch plans: requests) will read: sources read it now, sorted and coalesced, and
         serve the next gathers from memory. Plans that read nothing ignore it."""
-
-
-def apply(fn: Callable, element: Any) -> Any:
-    """``fn(element)``, or ``fn(*element)`` for a tuple, as tf.data calls map functions."""
-    return fn(*element) if isinstance(element, tuple) else fn(element)
-
-
-_POOL: Dict[int, ThreadPoolExecutor] = {}
-
-
-def parallel_map(fn: Callable, items: Sequence[Any], workers: int) -> List[Any]:
-    """``[fn(x) for x in items]`` on ``workers`` threads, in order (NumPy releases the GIL)."""
-    if workers <= 1 or len(items) <= 1:
-        return [fn(x) for x in items]
-    pool = _POOL.get(workers)
-    if pool is None:
-        pool = _POOL[workers] = ThreadPoolExecutor(workers, thread_name_prefix="mpistrat-map")
-    return list(pool.map(fn, items))
-
-
-def workers_for(num_parallel_calls: Optional[int]) -> int:
-    """Threads for ``num_parallel_calls`` (``AUTOTUNE``, i.e. -1: the cores, at most 8)."""
-    if num_parallel_calls is None:
-        return 1
-    if num_parallel_calls < 0:
-        return max(1, min(8, os.cpu_count() or 1))
-    return max(1, int(num_parallel_calls))
-
-
-def _as_leaf(value: Any) -> Any:
-    return value if hasattr(value, "shape") and hasattr(value, "__getitem__") else np.asarray(value)
 
 
 def _take(leaf: Any, where: np.ndarray) -> Any:
@@ -141,17 +109,6 @@ class MapRows(Plan):
             return map_stacked(self.fn, rows, self.workers)
         return Rows.of_items(parallel_map(lambda e: apply(self.fn, e), rows.elements(),
                                           self.workers))
-
-
-def map_stacked(fn: Callable, rows: Rows, workers: int) -> Rows:
-    """``fn`` on stacked rows (split into ``workers`` pieces run on threads)."""
-    if rows.count == 0 and not rows.is_stacked:
-        return rows
-    pieces = [rows] if workers <= 1 or rows.count < 2 * workers else rows.split(
-        [len(p) for p in np.array_split(np.arange(rows.count), workers)])
-    outs = parallel_map(lambda piece: Rows.stacked_as(
-        nest.map_structure(_as_leaf, apply(fn, piece.stack())), piece.count), pieces, workers)
-    return Rows.concat(outs)
 
 
 class ZipRows(Plan):
@@ -356,7 +313,7 @@ class MapBatches(Plan):
             if len(self._made) >= 8:
                 self._made.pop(next(iter(self._made)))
             batch = self._made[index] = nest.map_structure(
-                _as_leaf, apply(self.fn, self.child.batches([index])[0]))
+                as_leaf, apply(self.fn, self.child.batches([index])[0]))
         return batch
 
     def size(self, index):
@@ -375,7 +332,7 @@ class MapBatches(Plan):
 
     def rows(self, requests):
         if self.rowwise:
-            return parallel_map(lambda part: map_stacked(self.fn, part, 1),
+            return parallel_map(lambda part: map_stacked(self.fn, part, 1, rowwise=False),
                                 self.child.rows(requests), self.workers)
         return [Rows.stacked_as(self._mapped(i), self.size(i)).slice(a, b)
                 for i, a, b in requests]

@@ -123,3 +123,23 @@ def test_cached_batches_cannot_be_changed_by_the_caller(planned):
 def test_cache_to_a_file_is_refused_with_the_alternative():
     with pytest.raises(NotImplementedError, match="NpyDataset"):
         Dataset.range(3).cache("/tmp/cache")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_vectorized_map_before_batch_that_returns_a_sparse_batch_is_refused(workers):
+    """parse_example's VarLenFeature gives one SparseTensorValue for the rows it was given:
+    cut into pieces and joined again (threads, chunks) it became garbage (a dense_shape of
+    [4, 3, 4, 3]); now it is a ValueError naming the way out."""
+    import mpistrat as ms
+    records = np.array([ms.io.serialize_example({"t": list(range(i % 3 + 1))})
+                        for i in range(40)], dtype=object)
+    features = {"t": ms.io.VarLenFeature("int64")}
+    parse = lambda r: ms.io.parse_example(r, features)  # noqa: E731
+    before = Dataset.from_tensor_slices(records).map(parse, vectorized=True,
+                                                      num_parallel_calls=workers).batch(8)
+    with pytest.raises(ValueError, match="parse after batch"):
+        list(before)
+    after = Dataset.from_tensor_slices(records).batch(40).map(parse, vectorized=True,
+                                                              num_parallel_calls=workers)
+    batch = next(iter(after))["t"]
+    assert batch.dense_shape.tolist() == [40, 3] and len(batch.values) == 79

@@ -13,8 +13,11 @@ it measures, page cache warm, best of 5:
 * ``ms``: ``TFRecordDataset(files).batch(B)`` on one process, then
   ``experimental_distribute_dataset`` under DATA and FILE at N ranks (global batch B), with the
   record indexes cached (their first build is timed separately);
-* ``parse``: ``ms.io.parse_example`` per record with protobuf and with the pure-Python wire
-  reader (a subprocess where protobuf cannot be imported), and CRC-32C rates.
+* ``read_parse``: the same with ``.batch(B).map(parse_example)`` (three features: 100 floats,
+  an int64, a string), ours at 1 process and distributed under DATA (each rank parses only
+  its rows of a global batch), tf.data's with a plain and an ``AUTOTUNE`` map;
+* ``parse``: ``ms.io.parse_example`` per record of one batch, and in a subprocess without
+  protobuf and google-crc32c, and CRC-32C rates.
 
 One JSON line on rank 0: records per second, ratios to tf.data and to the raw read, and the
 bytes each rank read under DATA (its records' bytes plus the index).
@@ -61,8 +64,22 @@ parse = []
 for _ in range(3):
     start = time.perf_counter(); tf.io.parse_example(records, features)
     parse.append(time.perf_counter() - start)
+def read_parse(parallel):
+    count = 0
+    for b in tf.data.TFRecordDataset(files).batch(batch).map(
+            lambda r: tf.io.parse_example(r, features), num_parallel_calls=parallel):
+        count += int(b["label"].shape[0])
+    return count
+both = {}
+for name, parallel in (("read_parse_seconds", None),
+                       ("read_parse_autotune_seconds", tf.data.AUTOTUNE)):
+    read_parse(parallel)
+    runs = []
+    for _ in range(5):
+        start = time.perf_counter(); read_parse(parallel); runs.append(time.perf_counter() - start)
+    both[name] = min(runs)
 print(json.dumps({"seconds": min(times), "records": count, "version": tf.__version__,
-                  "parse_per_record_us": min(parse) / int(records.shape[0]) * 1e6}))
+                  "parse_per_record_us": min(parse) / int(records.shape[0]) * 1e6, **both}))
 """
 
 FALLBACK_SCRIPT = r"""
@@ -136,13 +153,20 @@ def subprocess_json(python, script, *args):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def distributed_epoch(strategy, paths, batch, policy):
+def parsed(dataset):
+    """``batch().map(parse_example)``: each rank parses only its rows of a global batch."""
+    return dataset.map(lambda records: ms.io.parse_example(records, FEATURES), vectorized=True)
+
+
+def distributed_epoch(strategy, paths, batch, policy, parse=False):
     options = ms.data.Options()
     options.experimental_distribute.auto_shard_policy = policy
     reader = ms.data.TFRecordDataset(paths)
+    dataset = reader.batch(batch)
+    dataset = parsed(dataset) if parse else dataset
     count = 0
-    for step in strategy.experimental_distribute_dataset(reader.batch(batch).with_options(options)):
-        count += len(step.values[0])
+    for step in strategy.experimental_distribute_dataset(dataset.with_options(options)):
+        count += len(step["label"].values[0] if parse else step.values[0])
     return reader, count
 
 
@@ -173,6 +197,8 @@ def main():
         single = best_of(lambda: sum(len(b) for b in ms.data.TFRecordDataset(paths)
                                      .batch(args.batch)))
         record["ms_1process_seconds"] = single
+        record["ms_1process_read_parse_seconds"] = best_of(lambda: sum(
+            len(b["label"]) for b in parsed(ms.data.TFRecordDataset(paths).batch(args.batch))))
         batch = next(iter(ms.data.TFRecordDataset(paths).batch(args.batch)))
         parse = best_of(lambda: ms.io.parse_example(batch, FEATURES))
         record["ms_parse_per_record_us"] = parse / len(batch) * 1e6
@@ -183,19 +209,21 @@ def main():
                                                 str(args.batch))
     comm.Barrier()
     strategy = ms.MultiWorkerMirroredStrategy()
-    for policy in (ms.data.AutoShardPolicy.DATA, ms.data.AutoShardPolicy.FILE):
-        distributed_epoch(strategy, paths, args.batch, policy)   # warm
+    runs = [(ms.data.AutoShardPolicy.DATA, False), (ms.data.AutoShardPolicy.FILE, False),
+            (ms.data.AutoShardPolicy.DATA, True)]
+    for policy, parse in runs:
+        distributed_epoch(strategy, paths, args.batch, policy, parse)   # warm
         times, counts, reader = [], 0, None
         for _ in range(REPEATS):
             comm.Barrier()
             start = time.perf_counter()
-            reader, count = distributed_epoch(strategy, paths, args.batch, policy)
+            reader, count = distributed_epoch(strategy, paths, args.batch, policy, parse)
             times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
             counts = comm.allreduce(count)
-        name = policy.name.lower()
+        name = policy.name.lower() + ("_read_parse" if parse else "")
         record[f"ms_{name}_seconds"] = min(times)
         record[f"ms_{name}_records"] = counts
-        if policy is ms.data.AutoShardPolicy.DATA:
+        if policy is ms.data.AutoShardPolicy.DATA and not parse:
             record["data_bytes_read_per_rank"] = comm.allgather(reader.bytes_read)
             record["index_bytes_read_per_rank"] = comm.allgather(reader.index_bytes_read)
             record["data_bytes_total"] = total_bytes
@@ -211,6 +239,11 @@ def main():
             record["tf_data_records_per_s"] = tf_rate
             for key in ("ms_1process", "ms_data", "ms_file"):
                 record[f"{key}_vs_tf_data_rate"] = record[f"{key}_records_per_s"] / tf_rate
+            for key in ("ms_1process_read_parse", "ms_data_read_parse"):   # time ratios
+                for tf_key in ("read_parse", "read_parse_autotune"):
+                    if f"{tf_key}_seconds" in tf_data:
+                        record[f"{key}_vs_tf_{tf_key}_time"] = \
+                            record[f"{key}_seconds"] / tf_data[f"{tf_key}_seconds"]
         record["data_share_per_rank"] = [b / total_bytes for b in
                                          record["data_bytes_read_per_rank"]]
     emit(comm, record)

@@ -20,18 +20,21 @@ arrays of ``bytes``); a ``VarLenFeature`` gives a :class:`SparseTensorValue` wit
     >>> batch["tags"].dense_shape.tolist(), batch["tags"].indices[:2].tolist()
     ([2, 3], [[0, 0], [0, 1]])
 
-Examples are parsed by protobuf's classes (our own definitions, ``tfformats.messages``), or
-by the pure-Python wire reader where protobuf is missing (slower: docs/benchmarks.md).
+A batch is taken apart at once with NumPy (``example_batch.py``: each level of the message
+one vectorised step over all records); a batch in an unusual encoding, or one that must
+raise an error, is parsed record by record by protobuf's classes (our own definitions,
+``tfformats.messages``), or by the pure-Python wire reader where protobuf is missing.
 Malformed data, a missing required feature, a wrong type or count raise
 ``InvalidArgumentError`` naming the feature, as TensorFlow does.
 """
 
 import math
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Sequence
 
 import numpy as np
 
 from mpistrat.errors import DataLossError, InvalidArgumentError
+from mpistrat.io.example_batch import parse_batch
 from mpistrat.tfformats import messages
 from mpistrat.tfformats.wire import varint
 
@@ -229,6 +232,13 @@ def parse_example(serialized, features: Dict[str, Any], example_names=None,
     examples = list(np.asarray(serialized, dtype=object).reshape(-1)) \
         if not isinstance(serialized, (list, tuple)) else list(serialized)
     specs = _specs(features)
+    fast = parse_batch(examples, specs)       # all records at once (canonical encodings)
+    return fast if fast is not None else parse_each(examples, specs)
+
+
+def parse_each(examples: List, specs: List[_Spec]) -> Dict[str, Any]:
+    """``parse_example`` record by record with protobuf: every valid encoding, every
+    error worded (what ``example_batch.parse_batch`` leaves to it)."""
     columns = _gather(examples, specs)
     out: Dict[str, Any] = {}
     for spec in specs:

@@ -1,0 +1,165 @@
+"""The batch Example parser (NumPy over the wire bytes) against the record-by-record path
+(protobuf): the same arrays bit for bit, the same errors, for canonical encodings and for the
+unusual ones it must leave to protobuf. TensorFlow's own parse of its own files is checked in
+test_tf_records.py (through both paths)."""
+
+import struct
+
+import numpy as np
+import pytest
+
+import mpistrat as ms
+from mpistrat.io import example as ex
+from mpistrat.io.example_batch import parse_batch
+from mpistrat.tfformats.wire import varint
+
+FEATURES = {
+    "x": ms.io.FixedLenFeature([3], "float32"),
+    "label": ms.io.FixedLenFeature([], "int64", default_value=-1),
+    "name": ms.io.FixedLenFeature([], "string", default_value="none"),
+    "tags": ms.io.VarLenFeature("int64"),
+    "weights": ms.io.VarLenFeature("float32"),
+    "blobs": ms.io.VarLenFeature("string"),
+    "grid": ms.io.FixedLenFeature([2, 2], "int64", default_value=[[1, 2], [3, 4]]),
+    "clé": ms.io.VarLenFeature("string"),
+}
+
+
+def random_example(rng) -> bytes:
+    """An Example with some of FEATURES' keys (x always), values of every edge: NaN
+    payloads, -0.0, infinities, int64 extremes, empty bytes and lists, and a key no
+    feature asks for."""
+    floats = rng.standard_normal(3).astype(np.float32)
+    floats[rng.integers(3)] = rng.choice(np.array([np.nan, -0.0, np.inf, -np.inf, 1e-45],
+                                                  np.float32))
+    values = {"x": floats.view(np.uint32).astype(np.uint32)}
+    fields = {"x": {"float_list": {"value": floats.tolist()}}}
+    extremes = [0, -1, 1, 2 ** 63 - 1, -2 ** 63, 127, 128, -129, 2 ** 35]
+    if rng.random() < 0.7:
+        fields["label"] = {"int64_list": {"value": [int(rng.choice(extremes))]}}
+    if rng.random() < 0.7:
+        fields["name"] = {"bytes_list": {"value": [bytes(rng.integers(0, 256, rng.integers(0, 5),
+                                                               dtype=np.uint8))]}}
+    n = int(rng.integers(0, 5))
+    if rng.random() < 0.8:
+        fields["tags"] = {"int64_list": {"value": [int(rng.choice(extremes)) for _ in range(n)]}}
+    if rng.random() < 0.8:
+        fields["weights"] = {"float_list": {"value": rng.standard_normal(n).astype(
+            np.float32).tolist()}}
+    if rng.random() < 0.8:
+        fields["blobs"] = {"bytes_list": {"value": [b"\x00" * k for k in range(n)]}}
+    if rng.random() < 0.5:
+        fields["grid"] = {"int64_list": {"value": rng.integers(-300, 300, 4).tolist()}}
+    if rng.random() < 0.5:
+        fields["clé"] = {"bytes_list": {"value": ["é".encode()] * n}}
+    if rng.random() < 0.5:
+        fields["unasked"] = {"float_list": {"value": [1.0]}}
+    del values
+    return ex.messages.serialize("Example", {"features": {"feature": fields}})
+
+
+def same(got, want):
+    assert sorted(got) == sorted(want)
+    for name in want:
+        a, b = got[name], want[name]
+        if isinstance(b, ms.io.SparseTensorValue):
+            same({"i": a.indices, "v": a.values, "s": a.dense_shape},
+                 {"i": b.indices, "v": b.values, "s": b.dense_shape})
+            continue
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), name
+        if a.dtype == object:
+            assert a.tolist() == b.tolist() and all(type(v) is bytes for v in a.reshape(-1))
+        else:
+            assert a.tobytes() == b.tobytes(), name       # bit for bit (NaN payloads too)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_batches_parse_as_record_by_record(seed):
+    rng = np.random.default_rng(seed)
+    records = [random_example(rng) for _ in range(int(rng.integers(1, 40)))]
+    specs = ex._specs(FEATURES)
+    fast = parse_batch(records, specs)
+    assert fast is not None                        # protobuf's encodings are canonical
+    same(fast, ex.parse_each(records, specs))
+
+
+@pytest.mark.parametrize("floats", [31, 32, 4096, 1 << 19])
+def test_long_features_are_parsed_at_once(floats):
+    """Lengths of one to four varint bytes (a 2 MiB float list); still the batch path."""
+    rng = np.random.default_rng(floats)
+    records = [ex.serialize_example({"x": rng.standard_normal(floats).astype(np.float32),
+                                     "n": rng.integers(-9, 9, floats // 8 + 1)})
+               for _ in range(3)]
+    specs = ex._specs({"x": ms.io.FixedLenFeature([floats], "float32"),
+                       "n": ms.io.VarLenFeature("int64")})
+    fast = parse_batch(records, specs)
+    assert fast is not None
+    same(fast, ex.parse_each(records, specs))
+
+
+def entry(key: bytes, feature: bytes) -> bytes:
+    body = b"\x0a" + varint(len(key)) + key + b"\x12" + varint(len(feature)) + feature
+    return b"\x0a" + varint(len(body)) + body
+
+
+def example(*entries: bytes) -> bytes:
+    features = b"".join(entries)
+    return b"\x0a" + varint(len(features)) + features
+
+
+def float_list_unpacked(values) -> bytes:
+    body = b"".join(b"\x0d" + struct.pack("<f", v) for v in values)
+    return b"\x12" + varint(len(body)) + body
+
+
+def int64_list(values, extra=b"") -> bytes:
+    packed = b"".join(varint(v & (2 ** 64 - 1)) for v in values)
+    body = b"\x0a" + varint(len(packed)) + packed + extra
+    return b"\x1a" + varint(len(body)) + body
+
+
+GOOD = ex.serialize_example({"x": [1.0, 2.0, 3.0], "tags": [5, 6]})
+UNUSUAL = {
+    "unpacked floats": example(entry(b"x", float_list_unpacked([1.0, 2.0, 3.0]))),
+    "an unknown field in a list": example(entry(b"x", float_list_unpacked([1, 2, 3])),
+                                          entry(b"tags", int64_list([7], b"\x10\x01"))),
+    "a key given twice (the last wins)": example(entry(b"x", float_list_unpacked([1, 2, 3])),
+                                                 entry(b"tags", int64_list([1])),
+                                                 entry(b"tags", int64_list([2, 3]))),
+    "the features field twice (merged)": example(entry(b"tags", int64_list([9]))) +
+    example(entry(b"x", float_list_unpacked([4, 5, 6]))),
+    "an empty record: every default": b"",
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNUSUAL))
+def test_unusual_encodings_give_what_protobuf_gives(name):
+    features = {"x": ms.io.FixedLenFeature([3], "float32", default_value=0.5),
+                "tags": ms.io.VarLenFeature("int64")}
+    records = [GOOD, UNUSUAL[name], GOOD]
+    same(ms.io.parse_example(records, features), ex.parse_each(records, ex._specs(features)))
+    want = ms.io.parse_single_example(UNUSUAL[name], features)
+    got = ms.io.parse_example([UNUSUAL[name]], features)
+    assert got["x"][0].tobytes() == want["x"].tobytes()
+    assert got["tags"].values.tolist() == want["tags"].values.tolist()
+
+
+BAD = {
+    "truncated": GOOD[:-3],
+    "a varint of 11 bytes": example(entry(b"tags", b"\x1a\x0d\x0a\x0b" + b"\xff" * 10 + b"\x01")),
+    "a wrong type": example(entry(b"x", int64_list([1, 2, 3]))),
+    "a wrong count": ex.serialize_example({"x": [1.0, 2.0]}),
+    "a required feature missing": ex.serialize_example({"tags": [1]}),
+    "a length past the end": b"\x0a\x7f" + GOOD[2:],
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_records_raise_what_the_record_by_record_path_raises(name):
+    features = {"x": ms.io.FixedLenFeature([3], "float32"), "tags": ms.io.VarLenFeature("int64")}
+    records = [GOOD, BAD[name]]
+    with pytest.raises(ms.errors.InvalidArgumentError) as batch:
+        ms.io.parse_example(records, features)
+    with pytest.raises(ms.errors.InvalidArgumentError) as each:
+        ex.parse_each(records, ex._specs(features))
+    assert str(batch.value) == str(each.value)

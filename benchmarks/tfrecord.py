@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import emit  # noqa: E402
 
 import mpistrat as ms  # noqa: E402
+from mpistrat.tfformats.record_index import index_path  # noqa: E402
 
 FILES = 4
 
@@ -186,9 +187,8 @@ def main():
               "batch": args.batch, "cache": "warm"}
     if rank == 0:
         for path in paths:  # time the index's first build, then keep it cached
-            for name in os.listdir(os.path.dirname(path)):
-                if name == f".{os.path.basename(path)}.mpistrat-index":
-                    os.remove(os.path.join(os.path.dirname(path), name))
+            if os.path.exists(index_path(path, None)):
+                os.remove(index_path(path, None))
         start = time.perf_counter()
         records = ms.data.TFRecordDataset(paths).num_rows
         record["index_build_seconds"] = time.perf_counter() - start

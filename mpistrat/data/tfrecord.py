@@ -15,8 +15,8 @@ every record checked (``DataLossError`` naming file and offset); parse them with
     [4, 4, 2]
 
 Plain (uncompressed) files have random access through an index of record offsets, made
-once per file at the first read (a scan of the record headers), cached beside the file or in
-``index_dir`` and rebuilt when the file changes: ``global_shuffle``, seekable positions and
+once per file at the first read (a scan of the record headers), cached in the user's cache
+directory or ``index_dir`` (never beside the data) and rebuilt when the file changes: ``global_shuffle``, seekable positions and
 the distributed layouts work as on the other readers. Under
 ``strategy.experimental_distribute_dataset``, ``FILE`` deals files to ranks; ``DATA`` has
 each rank read only its own records of every global batch (one read per run of them), each
@@ -297,7 +297,7 @@ def TFRecordDataset(filenames, compression_type: Optional[str] = None,
 
     ``compression_type``: ``None``/``""``, ``"GZIP"`` or ``"ZLIB"``; ``buffer_size``: bytes
     read at a time from compressed files; ``num_parallel_reads`` is accepted and ignored
-    (records come in file order); ``index_dir`` (ours): where to cache record indexes when
-    the data's directory is not writable.
+    (records come in file order); ``index_dir`` (ours): where to cache record indexes
+    (default ``$XDG_CACHE_HOME/mpistrat/tfrecord-index``; never beside the data).
     """
     return TFRecordFiles(filenames, compression_type, buffer_size, index_dir)

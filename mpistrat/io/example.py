@@ -38,8 +38,8 @@ from mpistrat.io.example_batch import parse_batch
 from mpistrat.tfformats import messages
 from mpistrat.tfformats.wire import varint
 
-__all__ = ["FixedLenFeature", "VarLenFeature", "SparseTensorValue", "parse_single_example",
-           "parse_example", "serialize_example"]
+__all__ = ["FixedLenFeature", "VarLenFeature", "FixedLenSequenceFeature", "SparseTensorValue",
+           "parse_single_example", "parse_example", "serialize_example"]
 
 _KINDS = {"float32": "float_list", "int64": "int64_list", "string": "bytes_list"}
 _NUMPY = {"float32": np.dtype(np.float32), "int64": np.dtype(np.int64),
@@ -80,6 +80,19 @@ class VarLenFeature(NamedTuple):
     dtype: Any
 
 
+class FixedLenSequenceFeature(NamedTuple):
+    """A list of any number of items of ``shape``: parsed into a dense array ``[items] +
+    shape`` (``[batch, longest] + shape`` for a batch, padded with ``default_value`` or
+    zeros). In ``parse_example`` ``allow_missing`` must be true (a missing feature has no
+    items), as in TensorFlow; in a SequenceExample's feature lists it says whether a missing
+    list is an error."""
+
+    shape: Sequence[int]
+    dtype: Any
+    allow_missing: bool = False
+    default_value: Any = None
+
+
 class SparseTensorValue(NamedTuple):
     """``indices`` (int64 [n, rank]), ``values`` [n] and ``dense_shape`` (int64 [rank])."""
 
@@ -92,14 +105,22 @@ class _Spec:
     """A feature, checked once: its dtype name, list kind, shape and default."""
 
     def __init__(self, name: str, feature):
-        if not isinstance(feature, (FixedLenFeature, VarLenFeature)):
-            raise InvalidArgumentError(f"feature {name!r}: expected FixedLenFeature or "
-                                       f"VarLenFeature, got {type(feature).__name__}")
+        if not isinstance(feature, (FixedLenFeature, VarLenFeature, FixedLenSequenceFeature)):
+            raise InvalidArgumentError(f"feature {name!r}: expected FixedLenFeature, "
+                                       f"VarLenFeature or FixedLenSequenceFeature, got "
+                                       f"{type(feature).__name__}")
         self.name, self.dtype = name, _dtype_name(feature.dtype)
         self.kind, self.numpy = _KINDS[self.dtype], _NUMPY[self.dtype]
         self.fixed = isinstance(feature, FixedLenFeature)
-        self.shape: tuple = ()
+        self.sequence = isinstance(feature, FixedLenSequenceFeature)  # parsed as VarLen, then
+        self.shape: tuple = ()                                         # made dense
         self.default = None
+        if self.sequence:
+            self.shape = tuple(int(d) for d in feature.shape)
+            self.allow_missing = bool(feature.allow_missing)
+            self.pad = np.zeros((), self.numpy) if self.dtype != "string" else b""
+            if feature.default_value is not None:
+                self.pad = self._default(feature.default_value)[0]
         if self.fixed:
             self.shape = tuple(int(d) for d in feature.shape)
             if any(d < 0 for d in self.shape):
@@ -130,7 +151,7 @@ class _Spec:
                 raise InvalidArgumentError(f"feature {self.name!r}: default_value {value!r} "
                                            f"is not {self.dtype}: {err}") from None
         size = math.prod(self.shape)
-        if default.size == size:
+        if default.size == size or (self.sequence and default.size == 1):
             return default.reshape(-1)
         if default.size == 1:
             return np.broadcast_to(default.reshape(()), self.shape).reshape(-1)
@@ -232,8 +253,39 @@ def parse_example(serialized, features: Dict[str, Any], example_names=None,
     examples = list(np.asarray(serialized, dtype=object).reshape(-1)) \
         if not isinstance(serialized, (list, tuple)) else list(serialized)
     specs = _specs(features)
+    _check_sequences(specs)
     fast = parse_batch(examples, specs)       # all records at once (canonical encodings)
-    return fast if fast is not None else parse_each(examples, specs)
+    out = fast if fast is not None else parse_each(examples, specs)
+    for spec in specs:
+        if spec.sequence:
+            out[spec.name] = dense_items(out[spec.name], spec, len(examples))
+    return out
+
+
+def _check_sequences(specs: List[_Spec]) -> None:
+    for spec in specs:
+        if spec.sequence and not spec.allow_missing:
+            raise ValueError(f"feature {spec.name!r}: Unsupported: FixedLenSequenceFeature "
+                             f"requires allow_missing to be True.")
+
+
+def dense_items(sparse: "SparseTensorValue", spec: _Spec, count: int) -> np.ndarray:
+    """A ``FixedLenSequenceFeature``'s values (parsed as a VarLen feature, rows ``[b, j]``)
+    as ``[count, longest] + shape``, padded; each row's values must fill whole items."""
+    size = max(math.prod(spec.shape), 1)
+    lengths = np.bincount(sparse.indices[:, 0], minlength=count) if len(sparse.values) \
+        else np.zeros(count, np.int64)
+    bad = np.flatnonzero(lengths % size)
+    if len(bad):
+        raise InvalidArgumentError(
+            f"Key: {spec.name}, Index: {int(bad[0])}.  Number of {_TF_NAMES[spec.dtype]} "
+            f"values is not a multiple of stride length. Saw {int(lengths[bad[0]])} values "
+            f"but output shape is: [?,{','.join(map(str, spec.shape))}]")
+    longest = int(lengths.max()) // size if count else 0
+    out = np.empty((count, longest * size), dtype=spec.numpy)
+    out[...] = spec.pad
+    out[sparse.indices[:, 0], sparse.indices[:, 1]] = sparse.values
+    return out.reshape((count, longest) + spec.shape)
 
 
 def parse_each(examples: List, specs: List[_Spec]) -> Dict[str, Any]:
@@ -264,11 +316,16 @@ def parse_single_example(serialized, features: Dict[str, Any], example_names=Non
     if isinstance(serialized, np.ndarray) and serialized.shape == ():
         serialized = serialized[()]
     specs = _specs(features)
+    _check_sequences(specs)
     columns = _gather([serialized], specs)
     out: Dict[str, Any] = {}
     for spec in specs:
         values = _array(columns[spec.name], spec)
-        if spec.fixed:
+        if spec.sequence:
+            sparse = SparseTensorValue(np.stack([np.zeros(len(values), np.int64),
+                                                 np.arange(len(values))], axis=1), values, None)
+            out[spec.name] = dense_items(sparse, spec, 1)[0]
+        elif spec.fixed:
             out[spec.name] = values.reshape(spec.shape)
         else:
             out[spec.name] = SparseTensorValue(

@@ -68,6 +68,12 @@ SCHEMA: Dict[str, list] = {
     "Example": [Field(1, "features", "Features")],
     "Features": [Field(1, "feature", "Features.FeatureEntry", True, map=True)],
     "Features.FeatureEntry": [Field(1, "key", "string"), Field(2, "value", "Feature")],
+    "SequenceExample": [Field(1, "context", "Features"),
+                        Field(2, "feature_lists", "FeatureLists")],
+    "FeatureLists": [Field(1, "feature_list", "FeatureLists.FeatureListEntry", True, map=True)],
+    "FeatureLists.FeatureListEntry": [Field(1, "key", "string"),
+                                      Field(2, "value", "FeatureList")],
+    "FeatureList": [Field(1, "feature", "Feature", True)],
     # event.proto and summary.proto: TensorBoard's event files (scalars only)
     "Event": [Field(1, "wall_time", "double"), Field(2, "step", "int64"),
               Field(3, "file_version", "string", oneof="what"),

@@ -10,8 +10,10 @@ ignored and rebuilt, never trusted. Layout (little-endian)::
     compression (0 none, 1 GZIP, 2 ZLIB), record count, 0 | int64 offset x (count + 1)
     | uint32 CRC-32C of everything before
 
-The cache lives beside the data (``.NAME.mpistrat-index``) or, when a directory is named,
-there (``HASH-NAME.mpistrat-index``, the hash of the data file's absolute path)::
+The cache lives in the user's cache directory (``$XDG_CACHE_HOME/mpistrat/tfrecord-index``,
+by default ``~/.cache/...``), or in the directory named by ``index_dir``, as
+``HASH-NAME.mpistrat-index`` (the hash of the data file's absolute path): never beside the
+data, which may be read-only, shared with other users, or under version control::
 
     >>> import numpy as np, os, tempfile
     >>> from mpistrat.tfformats.records import frame
@@ -35,7 +37,7 @@ import numpy as np
 from mpistrat.io.safe_files import replace_atomically
 from mpistrat.tfformats.crc import crc32c, masked_crc32c
 
-__all__ = ["index_path", "load_index", "save_index", "fingerprint"]
+__all__ = ["default_index_dir", "index_path", "load_index", "save_index", "fingerprint"]
 
 _MAGIC = b"mpistrat tfrecord index\n"
 _VERSION = 1
@@ -44,13 +46,17 @@ _CODES = {None: 0, "GZIP": 1, "ZLIB": 2}
 _MIN_RECORD = 16       # header and footer of an empty record
 
 
+def default_index_dir() -> str:
+    """``$XDG_CACHE_HOME/mpistrat/tfrecord-index`` (``~/.cache`` when it is not set)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mpistrat", "tfrecord-index")
+
+
 def index_path(path: str, index_dir: Optional[str]) -> str:
-    """Where the cache of data file ``path`` lives."""
-    directory, name = os.path.split(os.path.abspath(path))
-    if index_dir is None:
-        return os.path.join(directory, f".{name}.mpistrat-index")
+    """Where the cache of data file ``path`` lives (``index_dir``, else the default)."""
+    name = os.path.basename(path)
     digest = hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:16]
-    return os.path.join(index_dir, f"{digest}-{name}.mpistrat-index")
+    return os.path.join(index_dir or default_index_dir(), f"{digest}-{name}.mpistrat-index")
 
 
 def fingerprint(path: str):
@@ -130,8 +136,7 @@ def save_index(path: str, compression: Optional[str], index_dir: Optional[str],
     body = np.asarray(offsets, dtype="<i8").tobytes()
     data = head + body + struct.pack("<I", crc32c(head + body))
     try:
-        if index_dir is not None:
-            os.makedirs(index_dir, exist_ok=True)
+        os.makedirs(os.path.dirname(cache), exist_ok=True)
         replace_atomically(cache, lambda handle: handle.write(data),
                            f"{cache}.tmp-{secrets.token_hex(16)}")  # O_EXCL|O_NOFOLLOW
         return True

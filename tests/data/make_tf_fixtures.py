@@ -24,6 +24,11 @@ It writes, each beside a JSON of what TensorFlow itself reported when reading th
 * ``keras_square/``: a Keras model of two same-shaped Dense layers with automatic names.
 * ``mixed/``: an Embedding + LSTM + GRU model under ``mixed_float16`` (a LossScaleOptimizer),
   one step of ``model.fit``, saved by a CheckpointManager.
+* ``sequence/``: a TFRecord file of ``tf.train.SequenceExample`` (context and feature lists of
+  every kind, empty and missing lists, ragged lengths) and of ``tf.train.Example`` with
+  variable-length lists; the JSON holds what ``parse_single_sequence_example`` and
+  ``parse_sequence_example`` (and ``parse_example`` with ``FixedLenSequenceFeature``) gave for
+  several feature specs, or the error they raised.
 * ``values.json``: per checkpoint, every tensor key with dtype, shape and the bytes TensorFlow
   returned (hex; strings as hex each); per record file, every record's bytes and the values
   ``tf.io.parse_single_example`` gave.
@@ -326,9 +331,106 @@ def mixed_checkpoint(report: dict) -> None:
     report["mixed/optimizer"] = type(model.optimizer).__name__
 
 
+def _sequence_example(i: int) -> bytes:
+    """A SequenceExample: ``i`` decides which context features and lists it has and their
+    lengths (0 to 3 steps; some lists missing, some empty)."""
+    rng = np.random.default_rng(1000 + i)
+    steps = i % 4
+    context = {"id": tf.train.Feature(int64_list=tf.train.Int64List(value=[i - 2 ** 40])),
+               "name": tf.train.Feature(bytes_list=tf.train.BytesList(value=[f"s{i}".encode()]))}
+    if i % 3:
+        context["w"] = tf.train.Feature(float_list=tf.train.FloatList(value=[i / 4]))
+    lists = {
+        "tok": [tf.train.Feature(int64_list=tf.train.Int64List(value=[i * 10 + t]))
+                for t in range(steps)],
+        "emb": [tf.train.Feature(float_list=tf.train.FloatList(
+            value=rng.standard_normal(2).astype(np.float32))) for t in range(steps)],
+        "words": [tf.train.Feature(bytes_list=tf.train.BytesList(
+            value=[b"w" * k for k in range((i + t) % 3)])) for t in range(steps)],
+        "ids": [tf.train.Feature(int64_list=tf.train.Int64List(value=list(range(t + i % 2))))
+                for t in range(steps)],
+    }
+    if i % 5 == 4:
+        del lists["tok"], lists["emb"]          # missing lists (allow_missing decides)
+    feature_lists = tf.train.FeatureLists(feature_list={
+        k: tf.train.FeatureList(feature=v) for k, v in lists.items()})
+    return tf.train.SequenceExample(context=tf.train.Features(feature=context),
+                                    feature_lists=feature_lists).SerializeToString()
+
+
+def _parsed(value) -> dict:
+    if isinstance(value, tf.SparseTensor):
+        return {"values": _tensor_json(value.values.numpy()),
+                "indices": value.indices.numpy().tolist(),
+                "dense_shape": value.dense_shape.numpy().tolist()}
+    return _tensor_json(value.numpy())
+
+
+def _outcome(call) -> dict:
+    """Every output of ``call()`` as JSON, or the error TensorFlow raised."""
+    try:
+        result = call()
+    except (tf.errors.InvalidArgumentError, ValueError) as err:
+        return {"error": type(err).__name__, "message": str(err)[-300:]}
+    parts = result if isinstance(result, tuple) else (result,)
+    return {"parts": [{k: _parsed(v) for k, v in part.items()} for part in parts]}
+
+
+def sequence_files(report: dict) -> None:
+    directory = os.path.join(OUT, "sequence")
+    os.makedirs(directory)
+    sequences = [_sequence_example(i) for i in range(12)]
+    examples = [tf.train.Example(features=tf.train.Features(feature={
+        "t": tf.train.Feature(int64_list=tf.train.Int64List(value=list(range(2 * (i % 3))))),
+        "f": tf.train.Feature(float_list=tf.train.FloatList(value=[i / 3] * (i % 2)))}))
+        .SerializeToString() for i in range(5)] + [tf.train.Example().SerializeToString()]
+    for name, records in (("sequences.tfrecord", sequences), ("examples.tfrecord", examples)):
+        with tf.io.TFRecordWriter(os.path.join(directory, name)) as writer:
+            for record in records:
+                writer.write(record)
+    context = {"id": tf.io.FixedLenFeature([], tf.int64),
+               "name": tf.io.FixedLenFeature([], tf.string),
+               "w": tf.io.FixedLenFeature([], tf.float32, default_value=-1.0),
+               "name_var": tf.io.VarLenFeature(tf.string)}
+    specs = {
+        "all": (context, {
+            "tok": tf.io.FixedLenSequenceFeature([], tf.int64, allow_missing=True),
+            "emb": tf.io.FixedLenSequenceFeature([2], tf.float32, allow_missing=True),
+            "words": tf.io.VarLenFeature(tf.string), "ids": tf.io.VarLenFeature(tf.int64)}),
+        "required": (None, {"tok": tf.io.FixedLenSequenceFeature([], tf.int64)}),
+        "wrong_count": (None, {"emb": tf.io.FixedLenSequenceFeature([3], tf.float32,
+                                                                    allow_missing=True)}),
+        "wrong_type": (None, {"tok": tf.io.FixedLenSequenceFeature([], tf.float32,
+                                                                   allow_missing=True)}),
+        "strings_padded": ({"id": tf.io.FixedLenFeature([], tf.int64)}, {
+            "words_all": tf.io.VarLenFeature(tf.string)}),
+        "context_only": ({"id": tf.io.FixedLenFeature([], tf.int64),
+                          "missing": tf.io.VarLenFeature(tf.float32)}, None),
+    }
+    cases = {}
+    for name, (ctx, seq) in specs.items():
+        cases[name] = {
+            "single": [_outcome(lambda r=r: tf.io.parse_single_sequence_example(r, ctx, seq))
+                       for r in sequences],
+            "batch": _outcome(lambda: tf.io.parse_sequence_example(sequences, ctx, seq)),
+            "batch_first_four": _outcome(
+                lambda: tf.io.parse_sequence_example(sequences[:4], ctx, seq))}
+    dense = {
+        "t": tf.io.FixedLenSequenceFeature([2], tf.int64, allow_missing=True, default_value=-1),
+        "f": tf.io.FixedLenSequenceFeature([], tf.float32, allow_missing=True)}
+    cases["example_sequence_features"] = {
+        "single": [_outcome(lambda r=r: tf.io.parse_single_example(r, dense)) for r in examples],
+        "batch": _outcome(lambda: tf.io.parse_example(examples, dense))}
+    cases["example_not_a_multiple"] = {"batch": _outcome(lambda: tf.io.parse_example(
+        examples, {"t": tf.io.FixedLenSequenceFeature([3], tf.int64, allow_missing=True)}))}
+    report["sequence"] = {"sequences": [r.hex() for r in sequences],
+                          "examples": [r.hex() for r in examples], "cases": cases}
+
+
 FIXTURES = {"module": module_checkpoints, "keras": keras_checkpoint, "slots": slot_checkpoint,
             "records": record_files, "guide": guide_checkpoint, "sliced": sliced_checkpoints,
-            "keras_square": keras_square_checkpoint, "mixed": mixed_checkpoint}
+            "keras_square": keras_square_checkpoint, "mixed": mixed_checkpoint,
+            "sequence": sequence_files}
 
 
 def main() -> int:

@@ -22,7 +22,7 @@ REPORT = json.loads((DATA / "values.json").read_text())
 
 @pytest.fixture
 def records(world, tmp_path_factory):
-    """A fresh copy of the record fixtures (indexes are cached beside them), on every rank."""
+    """A fresh copy of the record fixtures (a new path: indexes built anew), on every rank."""
     path = None
     if world.rank == 0:
         path = str(tmp_path_factory.mktemp("records") / "r")

@@ -89,7 +89,8 @@ def test_batches_and_random_reads_agree(records):
     assert reader.num_rows == len(everything)
     for start, stop in [(0, 1), (3, 11), (5, 5), (0, len(everything))]:
         assert list(reader.read_rows(start, stop)) == everything[start:stop]
-    assert os.path.exists(index_path(files[0], None))  # the index was cached beside
+    assert os.path.exists(index_path(files[0], None))  # cached in the user's cache directory
+    assert not [p for p in os.listdir(records) if "index" in p]   # nothing beside the data
     assert sum(reader.counts[i] for i in range(len(files))) == len(everything)
 
 

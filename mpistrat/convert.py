@@ -46,10 +46,10 @@ def _source(src: str) -> Tuple[str, str]:
 
 
 def _unsupported(path: str, entry) -> Optional[str]:
-    """Why ours cannot hold this value (``None`` if it can)."""
+    """Why ours cannot hold this value (``None`` if it can): the writer's own rule
+    (``checkpoint/dtypes.to_stored``: bfloat16 and float8 are held as raw bits)."""
+    from mpistrat.checkpoint.dtypes import to_stored
     from mpistrat.checkpoint.graph import check_path
-    from mpistrat.checkpoint.validate import check_dtype
-    from mpistrat.errors import DataLossError
     if getattr(entry, "refused", ""):
         return f"TensorFlow dtype {entry.refused}"
     try:
@@ -57,9 +57,9 @@ def _unsupported(path: str, entry) -> Optional[str]:
     except ValueError:
         return "its object path has characters ours refuses"
     try:
-        check_dtype(entry.dtype, path)
-    except DataLossError:
-        return f"dtype {entry.dtype}"
+        to_stored(np.empty(0, entry.dtype), path)
+    except TypeError:
+        return f"dtype {entry.dtype}" if entry.dtype != object else "strings"
     return None
 
 

@@ -35,6 +35,7 @@ from mpi4py import MPI
 
 from mpistrat.checkpoint.files import state_name
 from mpistrat.checkpoint.graph import collect_slots, required_paths
+from mpistrat.checkpoint.keras_names import KerasNames
 from mpistrat.checkpoint.matching import agree_plan
 from mpistrat.checkpoint.state_file import read_state
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
@@ -206,39 +207,6 @@ def _read_at(entry: BundleEntry, raw: np.ndarray, handles: Dict[str, MPI.File]) 
 
 
 # -- matching our objects to the graph ----------------------------------------------------
-def _warn_shifted_names(slots, found: Dict[str, str], values: "TensorFlowValues") -> None:
-    """Keras 3 variables matched by their paths (``dense_1/kernel``): Keras numbers the
-    automatic layer names per process, so a model built after one more layer was made gets
-    ``dense_1`` for what the checkpoint calls ``dense``, and a same-shaped value lands on the
-    wrong layer. The sign: a Keras variable of ours left without a value while a checkpoint
-    value of the same kind (``kernel``, ``bias``) and shape went unused. Warned (a restore
-    into another model on purpose, a new head, looks the same), with both names."""
-    import warnings
-    used = set(found.values())
-    unused = {}
-    for name, checkpoint_path in values.by_full_name.items():
-        if checkpoint_path not in used:
-            entry = values.entry(checkpoint_path)
-            unused.setdefault((name.rsplit("/", 1)[-1], tuple(entry.shape)), []).append(name)
-    for path, slot in sorted(slots.items()):
-        owner = slot.owner
-        if path in found or not type(owner).__module__.startswith("keras"):
-            continue
-        ours = str(getattr(owner, "path", ""))
-        kind = (ours.rsplit("/", 1)[-1], tuple(getattr(owner, "shape", ())))
-        if unused.get(kind):
-            warnings.warn(
-                f"restoring {values.source}: our Keras variable {ours!r} ({path}) found no "
-                f"value, while the checkpoint's {unused[kind][0]!r} of the same shape went "
-                f"unused: Keras's automatic layer names have probably shifted (a layer or model "
-                f"was made before this one in the process), so other variables may have "
-                f"received another layer's values. Build the model as it was saved, e.g. "
-                f"after keras.backend.clear_session(), or give its layers names",
-                RuntimeWarning, stacklevel=4)
-            return
-
-
-
 class TensorFlowValues:
     """A TensorFlow checkpoint's values by our object paths, matched through its graph."""
 
@@ -253,54 +221,24 @@ class TensorFlowValues:
             # leave out empty tensors) are not in the checkpoint
             self.by_path, self.collisions = _paths_of(graph, index)
         self.unmatched = set(self.by_path)
-        names: Dict[str, List[str]] = {}
-        for value in (graph.values if graph is not None else ()):
-            if value.full_name and value.path in self.by_path:
-                names.setdefault(value.full_name, []).append(value.path)
-        self.by_full_name = {n: p[0] for n, p in names.items() if len(p) == 1}
-        # an optimizer slot's own name (``sequential_dense_kernel_momentum``): TensorFlow
-        # prefixes it with name scopes of its own (``loss_scale_optimizer/adam_14/``) that
-        # Keras 3 on JAX does not write; used for an optimizer's variables alone, when the
-        # last name is unique on both sides and the shapes agree
-        leaves: Dict[str, List[str]] = {}
-        for name, path in self.by_full_name.items():
-            if "/_variables/" in f"/{path}/":   # an optimizer's own variables only
-                leaves.setdefault(name.rsplit("/", 1)[-1], []).append(path)
-        self.by_leaf = {n: p[0] for n, p in leaves.items() if len(p) == 1}
+        full_names = {v.path: v.full_name for v in (graph.values if graph is not None else ())
+                      if v.full_name and v.path in self.by_path}
+        self.names = KerasNames(full_names, lambda p: self.entry(p).shape, self.source)
 
     def match(self, slots) -> Dict[str, str]:
-        """Our slot path -> the checkpoint path it restores from."""
+        """Our slot path -> the checkpoint path it restores from: through the graph (or
+        the keys, without one), then Keras 3 variables by their names (``KerasNames``)."""
         found: Dict[str, str] = {}
-        by_name = set()     # our paths matched through Keras 3's variable paths
-        our_leaves: Dict[str, int] = {}
-        for slot in slots.values():
-            if type(slot.owner).__module__.startswith("keras"):
-                leaf = str(getattr(slot.owner, "path", "")).rsplit("/", 1)[-1]
-                our_leaves[leaf] = our_leaves.get(leaf, 0) + 1
-        for path, slot in slots.items():
-            target = None
+        for path in slots:
             if self.graph is None:
                 target = path if path in self.by_path else None
             else:
                 value = self.graph.find(path)
                 target = value.path if value is not None and value.path in self.by_path \
                     else path if path in self.by_path else None   # (_paths_of's suffixes)
-            owner = slot.owner
-            if target is None and type(owner).__module__.startswith("keras"):
-                keras_path = str(getattr(owner, "path", ""))
-                target = self.by_full_name.get(keras_path)  # Keras 3
-                leaf = keras_path.rsplit("/", 1)[-1]
-                if target is None and our_leaves.get(leaf) == 1 and leaf in self.by_leaf \
-                        and tuple(self.entry(self.by_leaf[leaf]).shape) == \
-                        tuple(getattr(owner, "shape", ())):
-                    target = self.by_leaf[leaf]     # (a slot's name holds its variable's)
-                if target is not None:
-                    by_name.add(path)
             if target is not None:
                 found[path] = target
-        if by_name:
-            _warn_shifted_names(slots, found, self)
-        return found
+        return self.names.match(slots, found)
 
     def entry(self, checkpoint_path: str) -> BundleEntry:
         return self.index.entries[self.by_path[checkpoint_path]]

@@ -13,7 +13,9 @@ rank; TensorFlow's: one data shard per rank, ``DST.data-R-of-N``, and the index 
 Object paths carry over: a TensorFlow value's path is its object's first path in the
 object graph (``model/dense/kernel``; other attributes ``PATH/NAME``, saved as state), and
 ours become TensorFlow nodes of the same names, so ``tf.train.Checkpoint(model=...)``
-restores them. Values our format cannot hold (strings; other dtypes it refuses) stop the
+restores them. Each TensorFlow variable's own name (``full_name``) is kept as an attribute,
+so a converted Keras checkpoint restores into the Keras 3 model by its variables' paths, as
+a restore from the TensorFlow files does (``checkpoint/keras_names.py``). Values our format cannot hold (strings; other dtypes it refuses) stop the
 conversion, naming them, unless ``--skip-unsupported`` leaves them out. Rank 0 prints what
 was converted.
 """
@@ -74,6 +76,8 @@ def _tf_to_ours(prefix: str, dst: str, engine, skip: bool) -> Tuple[int, int, Li
                          + "; ".join(f"{p!r} from {k}" for p, k in sorted(
                              values.collisions.items())) + ": nothing was written")
     names = {v.path: v.name for v in values.graph.values} if values.graph else {}
+    full_names = {v.path: v.full_name for v in values.graph.values if v.full_name} \
+        if values.graph else {}
     entries, kinds, skipped = {}, {}, []
     for path in sorted(values.by_path):
         entry = values.entry(path)
@@ -93,7 +97,8 @@ def _tf_to_ours(prefix: str, dst: str, engine, skip: bool) -> Tuple[int, int, Li
     read: Dict[str, np.ndarray] = {}
     for batch in read_collective(entries, engine):
         read.update(batch)
-    write_file(data_file(dst), read, kinds, engine)
+    write_file(data_file(dst), read, kinds, engine,
+               tf_names={p: n for p, n in full_names.items() if p in read})
     return len(read), sum(v.nbytes for v in read.values()), skipped
 
 

@@ -49,6 +49,7 @@ from mpistrat.checkpoint.directory import (io_engine, latest_checkpoint, prepare
 from mpistrat.checkpoint.frameworks import install_build_hook
 from mpistrat.checkpoint.files import data_file, local_view, missing_hint
 from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots, required_paths
+from mpistrat.checkpoint.keras_names import KerasNames
 from mpistrat.checkpoint.pytrees import as_saved, saved_kind
 from mpistrat.checkpoint.matching import (agree_plan, check_compatible as _check_compatible,
                                           fit_to_slot, read_batches)
@@ -78,6 +79,16 @@ class CheckpointOptions:
         return self.enable_async or self.experimental_enable_async_checkpoint
 
 
+def _found(slots, catalog, source: str) -> Dict[str, str]:
+    """Our path -> the file's path of the value it restores from: the same path, or for
+    a file converted from TensorFlow, a Keras 3 variable's by TensorFlow's name of it."""
+    found = {path: path for path in set(slots) & set(catalog)}
+    names = {p: e.tf_full_name for p, e in catalog.items() if e.tf_full_name}
+    if names and len(found) < len(slots):
+        found = KerasNames(names, lambda p: catalog[p].shape, source).match(slots, found)
+    return found
+
+
 def _refuse_no_match(path: str, matched, missing, unmatched) -> None:
     """A restore where our objects and the file's values exist but none met (the paths
     differ throughout) restores nothing: ``ValueError``, even where ``expect_partial()``
@@ -91,8 +102,7 @@ def _refuse_no_match(path: str, matched, missing, unmatched) -> None:
         f"restoring {path}: none of our {len(ours)} objects found a value among the file's "
         f"{len(theirs)}: the paths differ throughout (ours: {ours[:3]}, the file's: "
         f"{theirs[:3]}); nothing was restored. Build the objects as they were saved (the same "
-        f"attribute names); a Keras checkpoint converted from TensorFlow keeps TensorFlow's "
-        f"paths: restore the TensorFlow checkpoint itself instead")
+        f"attribute names)")
 
 
 class CheckpointLoadStatus:
@@ -310,7 +320,8 @@ class Checkpoint:
             raise NotFoundError(f"no checkpoint at {path} (looked for {final}){missing_hint(path)}")
         catalog = read_catalog(final, engine)
         slots = collect_slots(self._named(), self._assign)
-        wanted = {name: catalog[name] for name in sorted(set(slots) & set(catalog))}
+        found = _found(slots, catalog, final)       # our path -> the file's path
+        wanted = {name: catalog[found[name]] for name in sorted(found)}
         agree_plan(engine, slots, wanted, final)   # every rank raises, or none
         matched = set()
         with timeline.span("checkpoint restore", "checkpoint", file=os.path.basename(final),
@@ -319,9 +330,10 @@ class Checkpoint:
             for batch in read_batches(wanted):  # read, verify, apply: old values freed as we go
                 matched |= self._apply(slots, read_values(final, reader, batch), final, wanted)
         # values without an object yet are read when one is attached (never before)
-        pending = {p: e for p, e in catalog.items() if p not in matched}
+        used = {found[p] for p in matched}
+        pending = {p: e for p, e in catalog.items() if p not in used}
         object.__setattr__(self, "_pending", pending)
-        saved = set(catalog)
+        saved = set(catalog) | set(found)      # (our paths that found a value by name)
         status = CheckpointLoadStatus(final, matched, pending, required_paths(slots) - saved,
                                       lambda: self._refresh(saved))
         object.__setattr__(self, "_status", status)

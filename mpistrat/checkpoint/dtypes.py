@@ -36,10 +36,11 @@ import numpy as np
 
 from mpistrat.errors import DataLossError
 
-__all__ = ["DTYPE_ATTR", "ARRAY_TYPE_ATTR", "to_stored", "logical_dtype", "check_plain"]
+__all__ = ["DTYPE_ATTR", "ARRAY_TYPE_ATTR", "TF_NAME_ATTR", "to_stored", "logical_dtype", "check_plain"]
 
 DTYPE_ATTR = "mpistrat_dtype"
 ARRAY_TYPE_ATTR = "mpistrat_array_type"   # "jax": saved from a JAX array (else absent)
+TF_NAME_ATTR = "mpistrat_tf_full_name"    # a converted TensorFlow value's own name
 _ML_DTYPES = ("bfloat16", "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn",
               "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
               "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn", "int4", "uint4", "int2", "uint2")

@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
-from mpistrat.checkpoint.dtypes import ARRAY_TYPE_ATTR, DTYPE_ATTR, logical_dtype
+from mpistrat.checkpoint.dtypes import ARRAY_TYPE_ATTR, DTYPE_ATTR, TF_NAME_ATTR, logical_dtype
 from mpistrat.checkpoint.files import part_match
 from mpistrat.checkpoint.graph import check_path
 from mpistrat.checkpoint.h5write import checksum
@@ -63,6 +63,7 @@ class Entry:
     files: Dict[str, OpenFile] = field(default_factory=dict, repr=False)  # path -> open file
     inline: Optional[np.ndarray] = field(default=None, repr=False)  # tiny compact values
     array_type: str = ""                      # "jax": saved from a JAX array
+    tf_full_name: str = ""                    # converted from TensorFlow: the value's name
 
     @property
     def nbytes(self) -> int:
@@ -159,6 +160,12 @@ def _entry(final: str, files: Dict[str, OpenFile], dset: h5py.Dataset, name: str
     if ARRAY_TYPE_ATTR in dset.attrs and _scalar_attr(dset, ARRAY_TYPE_ATTR, where) in \
             ("jax", b"jax"):        # (anything else: a later version's type, read as NumPy)
         entry.array_type = "jax"
+    if TF_NAME_ATTR in dset.attrs:
+        name = _scalar_attr(dset, TF_NAME_ATTR, where)
+        name = name.decode("utf-8", "replace") if isinstance(name, bytes) else name
+        if not isinstance(name, str) or len(name) > 4096:
+            raise DataLossError(f"{where}: attribute {TF_NAME_ATTR} is not a name")
+        entry.tf_full_name = name
     dcpl = dset.id.get_create_plist()
     layout = dcpl.get_layout()
     if layout == h5py.h5d.VIRTUAL:

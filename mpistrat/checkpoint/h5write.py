@@ -39,7 +39,7 @@ import numpy as np
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.checkpoint import h5layout
 from mpistrat.checkpoint.consensus import agree_values, value_digest
-from mpistrat.checkpoint.dtypes import ARRAY_TYPE_ATTR, DTYPE_ATTR, to_stored
+from mpistrat.checkpoint.dtypes import ARRAY_TYPE_ATTR, DTYPE_ATTR, TF_NAME_ATTR, to_stored
 from mpistrat.checkpoint.files import (MARKER, USERBLOCK, create_exclusive, part_name,
                                        remove_checkpoint, same_file, temp_name)
 from mpistrat.checkpoint.layout import partition_owner, write_partitions
@@ -118,8 +118,10 @@ class _Plan:
 
 
 def write_file(final: str, values: Dict[str, np.ndarray], kinds: Dict[str, str],
-               engine: CollectiveEngine, mode: Optional[str] = None) -> None:
+               engine: CollectiveEngine, mode: Optional[str] = None,
+               tf_names: Optional[Dict[str, str]] = None) -> None:
     """Write ``values`` (the same on every rank) to ``final``, atomically. Collective.
+    ``tf_names`` (``convert``): TensorFlow's ``full_name`` of values, kept as attributes.
 
     Refused on every rank before a byte is written: a dtype that could not be restored
     (``TypeError`` naming the object path, ``dtypes.py``) and values that differ between
@@ -135,6 +137,7 @@ def write_file(final: str, values: Dict[str, np.ndarray], kinds: Dict[str, str],
     agree_errors(engine, failure, what)
     plan = _Plan({p: v for p, (v, _) in stored.items()}, rank, size)
     plan.dtype_names = {p: name for p, (_, name) in stored.items() if name is not None}
+    plan.tf_names = dict(tf_names or {})
     every = [(p, k) for p in plan.paths for k in range(len(plan.layouts[p]))]
     fault_point("checkpoint-before-checksums")
     checksums = dict(zip(every, _parallel_checksums([plan.block(*pk) for pk in every])))
@@ -261,6 +264,8 @@ def _attrs(plan: _Plan, kinds, checksums, path: str) -> Dict:
         attrs[DTYPE_ATTR] = plan.dtype_names[path]
     if array_type:
         attrs[ARRAY_TYPE_ATTR] = array_type
+    if path in plan.tf_names:
+        attrs[TF_NAME_ATTR] = plan.tf_names[path]
     return attrs
 
 

@@ -36,6 +36,8 @@ What changes for a compiled model (instance attributes; the Keras classes are un
 * BatchNormalization's moving statistics (no other non-trainable state) are averaged over the
   ranks that had rows at each step (the mean TensorFlow reads and saves of its per-replica
   copies), so they are the same on every rank and a checkpoint takes them.
+  ``SyncBatchNormalization`` (``keras_sync_bn.py``) normalises with the global batch's
+  statistics instead, as ``BatchNormalization(synchronized=True)`` does in TensorFlow.
 
 Not done: metrics whose state is not a sum (e.g. ``max``) are wrong. An ``ms``
 distributed dataset (``strategy.experimental_distribute_dataset``) is iterated afresh each
@@ -52,8 +54,16 @@ from mpistrat.keras_callbacks import for_fit
 from mpistrat.keras_checks import (_is_arrays, _refuse_sum_reduction, _rows,  # noqa: F401
                                    _split_off, same_arrays_everywhere, same_steps_everywhere)
 from mpistrat.keras_hooks import train_alone  # noqa: F401  (ms.keras_support.train_alone)
+from mpistrat.keras_sync_bn import synchronizes
 
-__all__ = ["distribute_model", "mirror_weights", "train_alone"]
+__all__ = ["distribute_model", "mirror_weights", "train_alone", "SyncBatchNormalization"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SyncBatchNormalization":   # (Keras is imported only when it is asked for)
+        from mpistrat.keras_sync_bn import sync_batch_normalization_class
+        return sync_batch_normalization_class()
+    raise AttributeError(f"module 'mpistrat.keras_support' has no attribute {name!r}")
 
 class _RankShare:
     """This rank's slice of every global batch of NumPy arrays (a ``keras.utils.PyDataset``)."""
@@ -136,6 +146,15 @@ def _statistics(model) -> list:
             np.issubdtype(np.dtype(v.dtype), np.floating) for v in model.non_trainable_variables]
 
 
+def _scalar_loss(compute):
+    """``compute`` with its loss summed to a scalar: on a replica without rows (which runs
+    the passes only to join a SyncBatchNormalization's all-reduces) Keras's loss is empty."""
+    def scalar(*args, **kwargs):
+        loss, aux = compute(*args, **kwargs)
+        return (loss.sum() if getattr(loss, "ndim", 0) else loss), aux
+    return scalar
+
+
 def mirror_weights(model: Any, strategy: Any) -> None:
     """Give every rank rank 0's values of ``model``'s variables (collective), as variables
     created in a TensorFlow strategy's scope start from one replica's initial values."""
@@ -186,13 +205,16 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
         deltas = [jnp.where(present, n - o, jnp.zeros_like(o)) for o, n in zip(old, new)]
         return deltas
 
+    synchronized = synchronizes(model)
+
     def train_step(state, data):
         trainable, non_trainable, optimizer_vars, metrics_vars = state
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
         rows = _rows(x)
         present = rows > 0   # a replica with 0 rows contributes nothing (static shape)
-        if present:
-            grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
+        if present or synchronized:   # (SyncBatchNormalization: every replica joins its sums)
+            grad_fn = jax.value_and_grad(_scalar_loss(model.compute_loss_and_updates),
+                                         has_aux=True)
             (_, aux), grads = grad_fn(trainable, non_trainable, metrics_vars, x, y,
                                       sample_weight, training=True,
                                       optimizer_variables=optimizer_vars)

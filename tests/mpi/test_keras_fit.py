@@ -322,6 +322,37 @@ def test_validation_split_holds_out_the_last_rows_as_one_process_does(world):
     same_on_every_rank(strategy, weights(model))
 
 
+def build_normalized(layer):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, use_bias=False),
+                              layer(momentum=0.5),
+                              keras.layers.Activation("tanh"), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    return model
+
+
+@pytest.mark.mpi(min_size=1)
+def test_sync_batch_normalization_trains_as_one_process_on_the_global_batch(world):
+    """Keras 3 refuses BatchNormalization(synchronized=True) outside TensorFlow, and each
+    replica normalised with its own rows. SyncBatchNormalization sums the statistics over
+    the ranks (forward) and their gradients (backward): at 1-3 ranks, uneven and empty
+    slices included (20 rows in batches of 8: 2/2/0 rows in the last at 3 ranks), fit gives
+    the weights and moving statistics of one process training plain BatchNormalization on
+    the same global batches."""
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x, y = data()
+    with strategy.scope():
+        model = build_normalized(ms.keras_support.SyncBatchNormalization)
+    model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+    single = ms.keras_support.train_alone(build_normalized(keras.layers.BatchNormalization))
+    single.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+    for got, want in zip(weights(model), weights(single)):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    same_on_every_rank(strategy, weights(model))
+    np.testing.assert_allclose(model.predict(x, verbose=0), single.predict(x, verbose=0),
+                               rtol=2e-5, atol=2e-6)
+
+
 @pytest.mark.mpi(min_size=1)
 def test_callbacks_that_write_files_write_once_from_rank_0(world, shared_dir):
     """Before, ModelCheckpoint on every rank failed with HDF5's 'unable to lock file, errno =

@@ -1,0 +1,105 @@
+"""``SyncBatchNormalization``: Keras 3 batch normalization over the global batch.
+
+Keras 3 refuses ``BatchNormalization(synchronized=True)`` outside TensorFlow ("only supported
+with the TensorFlow backend"); under a strategy each replica would normalise with its own
+rows' statistics. ``ms.keras_support.SyncBatchNormalization`` (the same arguments) computes, in
+training, the mean and variance of the whole global batch, as TensorFlow's synchronized
+layer does: each replica's sum, sum of squares and count are summed over the ranks (one
+all-reduce of ``2C + 1`` numbers per layer and step, in the ordered host callback of
+``ms.nn``), ``mean = sum / count``, ``variance = sum_sq / count - mean^2``. The backward
+pass sums the replicas' gradients of those totals (weighted by their rows, as ``fit``
+weights the replicas' gradients), so the update is the one a single process would compute on
+the global batch. Inference uses the moving statistics, as always::
+
+    strategy = ms.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+                                  ms.keras_support.SyncBatchNormalization(),  # was
+                                  keras.layers.Dense(1)])  # BatchNormalization(synchronized=True)
+
+Made inside a strategy's scope of several replicas it synchronises over that strategy;
+otherwise (one replica, no scope) it is the plain layer. A masked call normalises per replica.
+"""
+
+import functools
+import weakref
+
+__all__ = ["sync_batch_normalization_class", "synchronizes"]
+
+_STRATEGY_OF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def synchronizes(model) -> bool:
+    """Whether ``model`` holds a synchronising layer (at any depth): then every replica,
+    one without rows too, runs the forward and backward passes to join its all-reduces."""
+    todo = list(getattr(model, "layers", []))
+    while todo:
+        layer = todo.pop()
+        if layer in _STRATEGY_OF:
+            return True
+        todo.extend(getattr(layer, "layers", []))
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _global_sum(strategy):
+    """``x`` summed over the replicas, differentiable: the backward pass sums the replicas'
+    cotangents weighted by their rows (``rows``), as ``fit`` weights their gradients."""
+    import jax
+    import jax.numpy as jnp
+    from mpistrat.nn import all_reduce_gradients
+
+    @jax.custom_vjp
+    def total(x, rows):
+        return all_reduce_gradients(x, strategy, "SUM")
+
+    def forward(x, rows):
+        return total(x, rows), rows
+
+    def backward(rows, cotangent):
+        summed = all_reduce_gradients(cotangent * rows.astype(cotangent.dtype), strategy, "SUM")
+        return summed / jnp.maximum(rows, 1).astype(cotangent.dtype), jnp.zeros_like(rows)
+
+    total.defvjp(forward, backward)
+    return total
+
+
+@functools.lru_cache(maxsize=None)
+def sync_batch_normalization_class():
+    """The layer class (built at first use: Keras is a lazy dependency)."""
+    import keras
+    from keras import ops
+
+    @keras.saving.register_keras_serializable(package="mpistrat")
+    class SyncBatchNormalization(keras.layers.BatchNormalization):
+        """``BatchNormalization`` whose training statistics are the global batch's."""
+
+        def __init__(self, *args, synchronized: bool = True, **kwargs):
+            super().__init__(*args, synchronized=False, **kwargs)
+            from mpistrat.distribute.context import get_strategy, has_strategy
+            strategy = get_strategy() if has_strategy() else None
+            if synchronized and strategy is not None and strategy.num_replicas_in_sync > 1:
+                _STRATEGY_OF[self] = strategy
+
+        def _moments(self, inputs, mask):
+            strategy = _STRATEGY_OF.get(self)
+            if strategy is None or mask is not None:
+                return super()._moments(inputs, mask)
+            import jax.numpy as jnp
+            axes = tuple(self._reduction_axes)
+            count = 1
+            for axis in axes:
+                count *= inputs.shape[axis]
+            local = ops.concatenate([ops.sum(inputs, axis=axes),
+                                     ops.sum(ops.square(inputs), axis=axes),
+                                     jnp.full((1,), count, inputs.dtype)])
+            rows = jnp.asarray(inputs.shape[0], jnp.float32)
+            totals = _global_sum(strategy)(local, rows)
+            channels = (local.shape[0] - 1) // 2
+            number = totals[-1]
+            mean = totals[:channels] / number
+            variance = totals[channels:2 * channels] / number - ops.square(mean)
+            return mean, variance
+
+    return SyncBatchNormalization
+

@@ -26,8 +26,9 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from mpistrat.tfformats.wire import WireError, read_varint
-from mpistrat.tfformats.wire_columns import (Unusual, as_int64, length_delimited, packed_varints,
-                                             padded, repeated_fields, spans_bytes, varints)
+from mpistrat.tfformats.wire_columns import (Unusual, as_int64, equal_spans, length_delimited,
+                                             packed_varints, padded, repeated_fields, spans_bytes,
+                                             varints)
 
 __all__ = ["parse_batch"]
 
@@ -124,8 +125,8 @@ def _values(batch: _Batch, spec, entries: np.ndarray):
             values[:] = [batch.data[a:b] for a, b in zip(start.tolist(), stop.tolist())]
             return values, np.ones(len(entries), np.int64)
         if spec.dtype == "float32" and not (stop[0] - start[0]) % 4:
-            raw = spans_bytes(batch.data, start, stop)
-            return np.frombuffer(raw, "<f4").astype(np.float32), (stop - start) // 4
+            raw = equal_spans(batch.buf, start, int(stop[0] - start[0]))
+            return raw.view("<f4").reshape(-1).astype(np.float32), (stop - start) // 4
         if spec.dtype == "int64":
             return _int64s(batch, spec, start, stop)
     list_start, list_stop = length_delimited(buf, batch.value_start[entries],

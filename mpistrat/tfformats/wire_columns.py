@@ -24,7 +24,7 @@ from typing import Tuple
 import numpy as np
 
 __all__ = ["Unusual", "padded", "varints", "length_delimited", "repeated_fields",
-           "spans_bytes", "packed_varints", "as_int64"]
+           "spans_bytes", "equal_spans", "packed_varints", "as_int64"]
 
 
 class Unusual(Exception):
@@ -134,6 +134,14 @@ def spans_bytes(data: bytes, start: np.ndarray, stop: np.ndarray) -> bytes:
     """The bytes of the spans ``[start, stop)`` of ``data``, span after span (one slice per
     span: cheaper than gathering byte by byte)."""
     return b"".join([data[a:b] for a, b in zip(start.tolist(), stop.tolist())])
+
+
+def equal_spans(buf: np.ndarray, start: np.ndarray, length: int) -> np.ndarray:
+    """The spans ``[start, start + length)`` of ``buf`` as rows of a ``uint8`` array (one
+    gather through a strided view: faster than slicing when every span has one length)."""
+    rows = np.lib.stride_tricks.as_strided(buf, (max(len(buf) - length + 1, 0), length),
+                                           (buf.strides[0], buf.strides[0]), writeable=False)
+    return rows[start]
 
 
 def packed_varints(data: bytes, start: np.ndarray,

@@ -108,10 +108,8 @@ def make_strategy(args):
     except Exception as err:  # ImportError, or CUDA errors without a GPU
         raise SystemExit(f"--replicas cupy: CuPy with a GPU is not available here ({err}); "
                          f"use --replicas numpy") from None
-    from mpistrat.runtime import get_world
-    from mpistrat.runtime.devices import gpu_for_local_rank
-    gpu = gpu_for_local_rank(get_world().local_rank, count)  # one GPU per rank of a node
-    cupy.cuda.Device(gpu).use()
+    from mpistrat.runtime.gpus import bound_device
+    gpu = bound_device().index    # the GPU the strategy bound this rank to (and made current)
     jax_gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if len(jax_gpus) != count:
         raise SystemExit(f"--replicas cupy: CuPy sees {count} GPUs but JAX sees "

@@ -111,14 +111,14 @@ def info() -> dict:
     from mpistrat.collectives.topology import comm_topology
     from mpistrat.collectives.options import CommunicationImplementation
     from mpistrat.runtime import get_world
-    from mpistrat.runtime.devices import capabilities, cuda_aware_mpi, gpu_for_local_rank, \
-        nccl_available
+    from mpistrat.runtime.devices import capabilities, cuda_aware_mpi, nccl_available
+    from mpistrat.runtime.gpus import choose_gpu
 
     world = get_world()
     gpus = _gpus()
     device = "CPU"
     if gpus["gpus"]:
-        index = gpu_for_local_rank(world.local_rank, len(gpus["gpus"]))
+        index = choose_gpu(world.local_rank, len(gpus["gpus"]), os.environ).index
         device = f"GPU {index} ({gpus['gpus'][index]})"
     caps = capabilities()
     installed = {"numpy": True, "cupy": bool(gpus["gpus"]), "jax": _version("jax") is not None}

@@ -158,10 +158,12 @@ def _h5py(facts: Sequence[Dict]) -> Check:
 def _facts(world) -> Dict:
     from mpi4py import MPI
     from mpistrat.__main__ import _clean, _gpus
-    from mpistrat.runtime.devices import cuda_aware_mpi, gpu_for_local_rank, nccl_available
+    from mpistrat.runtime.devices import cuda_aware_mpi, nccl_available
+    from mpistrat.runtime.gpus import choose_gpu
     import h5py
     gpus = _gpus()["gpus"]
-    device = f"GPU {gpu_for_local_rank(world.local_rank, len(gpus))}" if gpus else "CPU"
+    device = f"GPU {choose_gpu(world.local_rank, len(gpus), os.environ).index}" if gpus \
+        else "CPU"
     return {"rank": world.rank, "size": world.size, "host": world.hostname,
             "nodes": world.num_nodes, "launcher_size": _launcher_size(),
             "mpi": _clean(MPI.Get_library_version().splitlines()[0]).split(",")[0],

@@ -4,11 +4,12 @@ CuPy and JAX are optional and imported only when a value of theirs shows up.
 The kind of an array is read from its type's module, never by importing::
 
     >>> import numpy as np
-    >>> from mpistrat.runtime.devices import array_kind, gpu_for_local_rank
+    >>> from mpistrat.runtime.devices import array_kind
     >>> array_kind(np.zeros(3)), array_kind(1.5)
     ('numpy', 'numpy')
-    >>> gpu_for_local_rank(local_rank=5, num_gpus=4)
-    1
+
+Which GPU a rank uses is decided in one place, ``runtime.gpus`` (``choose_gpu``, applied by
+``bind_device`` when a strategy is made).
 """
 
 import ctypes
@@ -22,7 +23,7 @@ from mpi4py import MPI
 
 from mpistrat.runtime import settings
 
-__all__ = ["array_kind", "gpu_for_local_rank", "Capabilities", "capabilities",
+__all__ = ["array_kind", "Capabilities", "capabilities",
            "cuda_aware_mpi", "nccl_available", "cupy_available", "jax_on_gpu", "array_module",
            "as_cupy", "from_cupy_like", "to_host", "from_host"]
 
@@ -87,14 +88,6 @@ def from_cupy_like(result: Any, like: Any) -> Any:
         import jax
         return jax.dlpack.from_dlpack(result)
     return result
-
-
-def gpu_for_local_rank(local_rank: int, num_gpus: int) -> int:
-    """The GPU a rank binds to: its local rank, wrapped over the visible GPUs
-    (``runtime.gpus.choose_gpu`` also reads ``CUDA_VISIBLE_DEVICES``)."""
-    if num_gpus < 1:
-        raise ValueError("gpu_for_local_rank: no GPU is visible")
-    return local_rank % num_gpus
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,7 +7,8 @@ from mpi4py import MPI
 import mpistrat as ms
 from mpistrat.collectives.backends import select_backend
 from mpistrat.collectives.deadline import Deadline, wait_all
-from mpistrat.runtime.devices import Capabilities, array_kind, cuda_aware_mpi, gpu_for_local_rank
+from mpistrat.runtime.devices import Capabilities, array_kind, cuda_aware_mpi
+from mpistrat.runtime.gpus import choose_gpu
 
 
 def test_error_classes_subclass_the_builtins():
@@ -125,9 +126,9 @@ def test_array_kinds_and_gpu_binding():
     import jax.numpy as jnp
     assert array_kind(np.zeros(2)) == "numpy" and array_kind([1, 2]) == "numpy"
     assert array_kind(jnp.zeros(2)) == "jax"
-    assert [gpu_for_local_rank(r, 2) for r in range(4)] == [0, 1, 0, 1]
+    assert [choose_gpu(r, 2, {}).index for r in range(4)] == [0, 1, 0, 1]
     with pytest.raises(ValueError):
-        gpu_for_local_rank(0, 0)
+        choose_gpu(0, 0, {})
 
 
 def test_backend_choice_by_kind_and_implementation():

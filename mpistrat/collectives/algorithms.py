@@ -243,10 +243,16 @@ def _compiled(algorithm: str, rank: int, size: int, count: int, apart: bool):
 
 
 def _play_moves(comm, compiled, src, out, op, deadline, what) -> None:
-    """``play`` of compiled steps (``compile_steps``)."""
+    """``play`` of compiled steps (``compile_steps``), receiving into leased scratch."""
     moves, need = compiled
+    if not need:                                    # (empty receives)
+        return _play_leased(comm, moves, src, out, op, deadline, what, out[:0])
+    with default_pool().lease((need,), out.dtype) as scratch:
+        return _play_leased(comm, moves, src, out, op, deadline, what, scratch)
+
+
+def _play_leased(comm, moves, src, out, op, deadline, what, scratch) -> None:
     combine = _COMBINE[op]
-    scratch = default_pool().take((need,), out.dtype) if need else out[:0]   # (empty receives)
     record = _recording
     ranks = _world_ranks(comm) if record is not None else None
     for step, send, from_input, recv, how in moves:

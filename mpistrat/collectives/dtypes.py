@@ -159,9 +159,9 @@ def _is_bfloat16(dtype: np.dtype) -> bool:
 
 def to_wire(array: np.ndarray, wire: np.dtype) -> np.ndarray:
     """``array`` as a contiguous ``wire`` buffer. bfloat16 widens by a bit shift (its bits
-    are float32's upper half: exact, about twice as fast as ``astype``) into pooled memory."""
+    are float32's upper half: exact, about twice as fast as ``astype``)."""
     if wire == _F32 and _is_bfloat16(array.dtype):
-        out = default_pool().take(array.shape, np.uint32)
+        out = np.empty(array.shape, np.uint32)
         bits = np.ascontiguousarray(array).view(np.uint16).reshape(array.shape)  # (0-d too)
         np.left_shift(bits, 16, out=out, dtype=np.uint32)
         return out.view(np.float32)
@@ -176,18 +176,19 @@ _BLOCK = 1 << 15  # elements per block of the bfloat16 rounding (128 KiB of floa
 def from_wire(piece: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """A combined ``piece`` rounded once back to ``dtype``. float32 to bfloat16 rounds to
     nearest even on the bits, as ``astype`` does, in about half its time (NaN stays NaN with
-    its sign; its payload may differ). The result comes from the buffer pool."""
+    its sign; its payload may differ). The result is a new array (the caller's)."""
     if dtype.char == "?":
         return piece.view(np.bool_)
     if not (_is_bfloat16(dtype) and piece.dtype == _F32 and piece.flags.c_contiguous):
         return piece.astype(dtype)
-    pool = default_pool()
     shape, piece = piece.shape, piece.reshape(-1)  # (flat: 0-d arrays too)
-    nan = np.isnan(piece, out=pool.take(piece.shape, np.bool_))
-    quiet = ((piece.view(np.uint32)[nan] >> 16) | 0x0040).astype(np.uint16) if nan.any() \
-        else None  # NaN keeps its sign and top payload, made quiet
+    with default_pool().lease(piece.shape, np.bool_) as nan:
+        np.isnan(piece, out=nan)
+        where = np.flatnonzero(nan) if nan.any() else None
+    quiet = ((piece.view(np.uint32)[where] >> 16) | 0x0040).astype(np.uint16) \
+        if where is not None else None  # NaN keeps its sign and top payload, made quiet
     bits = piece.view(np.uint32)
-    out = pool.take(bits.shape, np.uint16)
+    out = np.empty(bits.shape, np.uint16)
     odd, work = np.empty(_BLOCK, np.uint32), np.empty(_BLOCK, np.uint32)
     for start in range(0, bits.size, _BLOCK):  # blocks that stay in cache across the passes
         block = bits[start:start + _BLOCK]
@@ -199,7 +200,7 @@ def from_wire(piece: np.ndarray, dtype: np.dtype) -> np.ndarray:
         np.right_shift(w, 16, out=w)
         np.copyto(out[start:start + block.size], w, casting="unsafe")
     if quiet is not None:
-        out[nan] = quiet
+        out[where] = quiet
     return out.view(dtype).reshape(shape)
 
 

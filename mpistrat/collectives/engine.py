@@ -21,6 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.collectives.backends import select_backend
+from mpistrat.collectives.buffer_pool import default_cap
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.dtypes import dtype_code, refuse
 from mpistrat.collectives.host_callbacks import TRACED, settle
@@ -37,6 +38,7 @@ from mpistrat.collectives.validation import (FOLDABLE, PAYLOAD_SLOTS, Probe, agr
 from mpistrat.errors import AbortedError, DeadlineExceededError, InvalidArgumentError
 from mpistrat.runtime import settings
 from mpistrat.runtime import timeline
+from mpistrat.runtime.allocator import keep_freed_memory
 from mpistrat.runtime.devices import Capabilities, array_kind, capabilities, from_host, to_host
 
 __all__ = ["CollectiveEngine", "default_timeout"]
@@ -86,6 +88,7 @@ class CollectiveEngine(SmallReductions):
     """
 
     def __init__(self, comm: MPI.Comm, options: Optional[CommunicationOptions] = None):
+        keep_freed_memory(default_cap())   # results are new arrays: reuse freed pages (once)
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()

@@ -3,7 +3,7 @@
 The plan of a list of tensors (``FusedPlan``) is computed once per signature
 (the ``(dtype, shape)`` of each tensor, built in C) and reused by every later
 call with the same structure, as in a training loop. Each fused bucket is
-packed by one ``np.concatenate`` into a pooled buffer and unpacked by *runs*:
+packed by one ``np.concatenate`` into a new buffer and unpacked by *runs*:
 consecutive tensors of one dtype and shape come back as the rows of one
 reshaped view (NumPy makes the views in C), not one Python slice each::
 
@@ -19,7 +19,6 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.collectives.algorithms import allreduce, choose_algorithm
-from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import Deadline
 from mpistrat.collectives.dtypes import accumulator, from_wire, to_wire
 from mpistrat.collectives.fusion import ALONE_BYTES, plan_buckets
@@ -95,7 +94,7 @@ def fused_all_reduce(comm: MPI.Comm, arrays: Sequence[np.ndarray], op: ReduceOp,
     """All-reduce a list of host arrays: fused buckets and lone large tensors.
 
     ``plans`` caches one ``FusedPlan`` per signature; results are new arrays
-    (views of pooled buffers), the inputs are left untouched. With ``out``
+    (views of the new buffers, which are the caller's), the inputs are left untouched. With ``out``
     (``collectives/into.py``, checked by the caller) the results are written there and
     tensors from ``OUT_ALONE_BYTES`` are reduced alone, each straight into its own ``out``.
     ``combine(send, recv)`` runs one buffer's all-reduce (the host backend passes its
@@ -112,7 +111,6 @@ def fused_all_reduce(comm: MPI.Comm, arrays: Sequence[np.ndarray], op: ReduceOp,
         plan = plans[key] = FusedPlan(signature, pack_bytes, op,
                                       ALONE_BYTES if out is None else OUT_ALONE_BYTES)
     size = comm.Get_size()
-    pool = default_pool()
     results: List = [None] * len(arrays)
     for bucket in plan.buckets:
         if out is not None and not bucket.fused and \
@@ -122,7 +120,7 @@ def fused_all_reduce(comm: MPI.Comm, arrays: Sequence[np.ndarray], op: ReduceOp,
             _into(comm, arrays[index], target, op, deadline, combine, size)
             results[index] = target
             continue
-        buffer = pool.take((bucket.count,), bucket.wire)
+        buffer = np.empty((bucket.count,), bucket.wire)  # (the caller's: results view it)
         if bucket.fused:  # 1. pack: one concatenate (casting half/bool on the way)
             members = arrays[bucket.span[0]:bucket.span[1]] if bucket.span else \
                 [arrays[i] for i in bucket.indices]

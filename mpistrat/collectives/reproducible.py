@@ -62,7 +62,6 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.dtypes import accumulator, is_low_float
 from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
@@ -150,7 +149,7 @@ def exponent_and_grid(array: np.ndarray, exponent: int, fraction_bits: int, wire
     real = _real(np.asarray(array))
     wire = np.dtype(wire)
     magic = _magic(wire, exponent, fraction_bits)
-    grid = default_pool().take(real.shape, wire)
+    grid = np.empty(real.shape, wire)
     if real.size == 0:
         return ZERO, grid
     highs, lows = [], []
@@ -240,7 +239,7 @@ def to_fixed(array: np.ndarray, exponent: int, fraction_bits: int, wire,
              axis: Optional[int] = None) -> np.ndarray:
     """The integers ``trunc(x * 2**(F-E))``; with ``axis``, summed along it (exactly).
 
-    Two passes over pooled memory: scale (exact), then cast to the integer type
+    Two passes over new memory: scale (exact), then cast to the integer type
     (truncation toward zero, a function of each value alone). On a float wire, the
     values rounded onto the grid ``2**(E-F)``; with ``F`` None (one or two summands),
     the values themselves.
@@ -255,14 +254,13 @@ def to_fixed(array: np.ndarray, exponent: int, fraction_bits: int, wire,
     if exponent == ZERO:
         shape = real.shape if axis is None else np.delete(real.shape, axis % max(real.ndim, 1))
         return np.zeros(tuple(int(d) for d in shape), dtype=wire)
-    pool = default_pool()
     if wire.kind == "f":  # round onto the grid in the float itself: (x + C) - C
-        grid = pool.take(real.shape, wire)
+        grid = np.empty(real.shape, wire)
         _round_onto_grid(real.reshape(-1), grid.reshape(-1), _magic(wire, exponent,
                                                                     fraction_bits))
         return grid if axis is None else np.sum(grid, axis=axis, dtype=wire)
-    scaled = _scaled(real, fraction_bits - exponent, out=pool.take(real.shape, real.dtype))
-    fixed = pool.take(real.shape, wire)  # pooled: reused once the caller drops it
+    scaled = _scaled(real, fraction_bits - exponent, out=np.empty(real.shape, real.dtype))
+    fixed = np.empty(real.shape, wire)
     np.copyto(fixed, scaled, casting="unsafe")
     del scaled
     return fixed if axis is None else np.sum(fixed, axis=axis, dtype=wire)
@@ -282,7 +280,7 @@ def from_fixed(total: np.ndarray, exponent: int, fraction_bits: int, dtype,
     elif total.dtype.kind == "f":  # summed on the grid in the float itself, or two values
         out = total.astype(real_dtype, copy=divisor != 1)
     else:
-        out = default_pool().take(total.shape, real_dtype)
+        out = np.empty(total.shape, real_dtype)
         np.copyto(out, total, casting="unsafe")  # the one rounding (exact for int32 -> f64)
         _scaled(out, exponent - fraction_bits, out=out)
     if divisor != 1:

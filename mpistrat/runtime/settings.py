@@ -210,9 +210,12 @@ SETTINGS = (
             "unset means 64",
             "real all-reduces per algorithm tried when refining a tuning table online "
             "(collectives/refinement.py)"),
-    Setting("MPISTRAT_BUFFER_POOL_BYTES", parse_bytes, 1 << 30,
-            _BYTE_COUNT + "; 0 disables; unset means 1GiB",
-            "memory kept for reusing result buffers"),
+    Setting("MPISTRAT_BUFFER_POOL_BYTES", parse_bytes, None,
+            _BYTE_COUNT + "; 0 keeps none; unset means 1/32 of the machine's memory, at most "
+            "1GiB",
+            "freed memory kept for the next allocation: the collectives' scratch pool, and "
+            "with glibc the allocator's mmap and trim thresholds (fresh results then reuse "
+            "warm pages)"),
     Setting("MPISTRAT_TRACE", parse_bool, False, _BOOL + "; unset means off",
             "one line per collective on stderr, tagged with the rank"),
     Setting("MPISTRAT_TIMELINE", _path, None, "a file path; unset means off",

@@ -22,7 +22,6 @@ from mpistrat.collectives.algorithms import RING_THRESHOLD_BYTES, allreduce, cho
 from mpistrat.collectives.backends import hierarchical
 from mpistrat.collectives.backends.base import (Backend, factor, movable, options_of,
                                                 refuse_device_buffers, wire_dtype)
-from mpistrat.collectives.buffer_pool import default_pool
 from mpistrat.collectives.calibration import table_for
 from mpistrat.collectives.tuning import BUCKETS
 from mpistrat.collectives.dtypes import from_wire, to_wire
@@ -34,8 +33,6 @@ from mpistrat.collectives.topology import comm_topology
 
 __all__ = ["HostMPI", "host_allreduce", "broadcast_buffer"]
 
-# Below this size a plain allocation is as cheap as the pool's bookkeeping.
-_POOL_MIN_BYTES = 64 << 10
 # buffers from half the smallest tuning bucket follow the measured table where there is one
 _TUNED_FROM = BUCKETS[0] // 2
 
@@ -138,7 +135,7 @@ class HostMPI(Backend):
         size = comm.Get_size()
         if len(arrays) == 1 and out is None:
             return [self._reduce_one(comm, arrays[0], op, deadline, size, preference)]
-        # many tensors: fused by dtype into pooled buckets, planned once per signature
+        # many tensors: fused by dtype into buckets, planned once per signature
         return fused_all_reduce(comm, arrays, op, opts.pack_bytes, deadline, self._fused,
                                 _combiner(comm, op, deadline, preference), signature, out)
 
@@ -152,8 +149,7 @@ class HostMPI(Backend):
                            out.reshape(-1).view(np.uint8), ReduceOp.SUM, deadline, preference)
             return out
         wire = _wire(original, op)
-        out = default_pool().take(wire.shape, wire.dtype) if wire.nbytes >= _POOL_MIN_BYTES \
-            else np.empty_like(wire)
+        out = np.empty(wire.shape, wire.dtype)   # the caller's (runtime/allocator.py)
         host_allreduce(comm, wire, out, op, deadline, preference)
         if op is ReduceOp.MEAN:
             divide_for_mean(out, size)

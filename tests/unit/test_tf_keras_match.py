@@ -81,6 +81,19 @@ def test_the_same_model_built_as_saved_restores_exactly_without_a_warning():
         assert value.tobytes().hex() == want[variable.path]["hex"], variable.path
 
 
+def _mixed_model():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 4),
+                                  keras.layers.LSTM(5, return_sequences=True),
+                                  keras.layers.GRU(3), keras.layers.Dense(2, dtype="float32")])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    model.optimizer.build(model.trainable_variables)
+    return model, model.optimizer
+
+
 def test_a_mixed_precision_model_fit_by_tensorflow_restores_with_its_loss_scale_optimizer():
     """Embedding + LSTM + GRU under mixed_float16, one model.fit step in TensorFlow 2.21: the
     weights, the LossScaleOptimizer's scale and counters and the inner Adam's slots (whose
@@ -89,19 +102,9 @@ def test_a_mixed_precision_model_fit_by_tensorflow_restores_with_its_loss_scale_
     states are not in TensorFlow's file: reported missing, not invented."""
     import mpistrat as ms
     keras.backend.clear_session()
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 4),
-                                  keras.layers.LSTM(5, return_sequences=True),
-                                  keras.layers.GRU(3), keras.layers.Dense(2, dtype="float32")])
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-        model.optimizer.build(model.trainable_variables)
-        optimizer = model.optimizer
-        assert type(optimizer).__name__ == REPORT["mixed/optimizer"] == "LossScaleOptimizer"
-        status = ms.Checkpoint(model=model, optimizer=optimizer).restore(
-            str(DATA / "mixed/ckpt-1"))
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
+    model, optimizer = _mixed_model()
+    assert type(optimizer).__name__ == REPORT["mixed/optimizer"] == "LossScaleOptimizer"
+    status = ms.Checkpoint(model=model, optimizer=optimizer).restore(str(DATA / "mixed/ckpt-1"))
     assert not status.unmatched_values
     assert status.missing_objects == {f"model/layer-{i}/cell/seed_generator-0/state"
                                       for i in (1, 2)}
@@ -130,19 +133,6 @@ def _dense_model():
     optimizer = keras.optimizers.Adam(0.01)
     optimizer.build(model.trainable_variables)
     return model, optimizer
-
-
-def _mixed_model():
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(20, 4),
-                                  keras.layers.LSTM(5, return_sequences=True),
-                                  keras.layers.GRU(3), keras.layers.Dense(2, dtype="float32")])
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-    model.optimizer.build(model.trainable_variables)
-    return model, model.optimizer
 
 
 @pytest.mark.parametrize("name,build", [("keras/ckpt-1", _dense_model),

@@ -106,7 +106,7 @@ def _ours_to_tf(final: str, dst: str, engine) -> Tuple[int, int, List[str]]:
     from mpistrat.checkpoint.h5read import Reader, read_catalog, read_values
     from mpistrat.checkpoint.tf_checkpoints import assign_readers
     from mpistrat.collectives.agreement import Failure, agree_errors
-    from mpistrat.tfformats import bundle
+    from mpistrat.tfformats import bundle, bundle_writer
     from mpistrat.tfformats.object_graph import GRAPH_KEY, build_graph
     catalog = read_catalog(final, engine)
     paths = sorted(catalog)
@@ -130,8 +130,9 @@ def _ours_to_tf(final: str, dst: str, engine) -> Tuple[int, int, List[str]]:
                         mine.append((keys[path], value))
     failure, entries = None, []
     try:
-        entries = bundle.write_shard(bundle.data_name(dst, engine.rank, engine.size),
-                                     sorted(mine, key=lambda kv: kv[0].encode()), engine.rank)
+        entries = bundle_writer.write_shard(bundle.data_name(dst, engine.rank, engine.size),
+                                            sorted(mine, key=lambda kv: kv[0].encode()),
+                                            engine.rank)
     except OSError as err:
         failure = Failure(err, engine.rank, "writing a data shard")
     agree_errors(engine, failure, f"converting {final} to {dst}")
@@ -139,7 +140,7 @@ def _ours_to_tf(final: str, dst: str, engine) -> Tuple[int, int, List[str]]:
     failure = None
     if engine.rank == 0:
         try:
-            bundle.write_index(dst, engine.size, [e for part in gathered for e in part])
+            bundle_writer.write_index(dst, engine.size, [e for part in gathered for e in part])
         except OSError as err:
             failure = Failure(err, 0, "writing the index")
     agree_errors(engine, failure, f"converting {final} to {dst}")

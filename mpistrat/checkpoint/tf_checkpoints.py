@@ -5,10 +5,11 @@
 ``checkpoint`` state file::
 
     >>> import numpy as np, tempfile, os, mpistrat as ms
-    >>> from mpistrat.tfformats import bundle
+    >>> from mpistrat.tfformats import bundle, bundle_writer
     >>> prefix = os.path.join(tempfile.mkdtemp(), "ckpt-1")
-    >>> bundle.write_index(prefix, 1, bundle.write_shard(bundle.data_name(prefix, 0, 1),
-    ...                    [("w/.ATTRIBUTES/VARIABLE_VALUE", np.ones(2, np.float16))]))
+    >>> shard = bundle_writer.write_shard(bundle.data_name(prefix, 0, 1),
+    ...                                   [("w/.ATTRIBUTES/VARIABLE_VALUE", np.ones(2, np.float16))])
+    >>> bundle_writer.write_index(prefix, 1, shard)
     >>> reader = ms.train.load_checkpoint(prefix)
     >>> reader.get_variable_to_shape_map()
     {'w/.ATTRIBUTES/VARIABLE_VALUE': [2]}

@@ -12,14 +12,14 @@ the lengths as taken, that checksum and the bytes.
 allocated (dtype known, shape sane, shard present, bytes inside the shard, sizes that match
 dtype and shape); ``decode_value`` checks the CRC and returns a NumPy array (bfloat16 and
 float8 through ``ml_dtypes``, strings as an object array of ``bytes``).
-``encode_value``/``write_shard``/``write_index`` write the same format::
+``bundle_writer.py`` writes the same format::
 
     >>> import numpy as np, tempfile, os
-    >>> from mpistrat.tfformats import bundle
+    >>> from mpistrat.tfformats import bundle, bundle_writer
     >>> prefix = os.path.join(tempfile.mkdtemp(), "ckpt-1")
-    >>> entries = bundle.write_shard(bundle.data_name(prefix, 0, 1),
-    ...                              [("w", np.arange(3, dtype=np.float32))])
-    >>> bundle.write_index(prefix, 1, entries)
+    >>> entries = bundle_writer.write_shard(bundle.data_name(prefix, 0, 1),
+    ...                                     [("w", np.arange(3, dtype=np.float32))])
+    >>> bundle_writer.write_index(prefix, 1, entries)
     >>> index = bundle.read_index(prefix)
     >>> bundle.read_value(index.entries["w"]).tolist()
     [0.0, 1.0, 2.0]
@@ -31,21 +31,21 @@ import stat
 import struct
 import sys
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
 from mpistrat.errors import DataLossError, InvalidArgumentError, NotFoundError
-from mpistrat.io.safe_files import UnreadableFile, read_regular, replace_atomically
+from mpistrat.io.safe_files import UnreadableFile, read_regular
 from mpistrat.tfformats import messages
-from mpistrat.tfformats.crc import crc32c, extend, mask, unmask
+from mpistrat.tfformats.crc import crc32c, extend, unmask
 from mpistrat.tfformats.slices import decode_slice_key, is_slice_key, plan_pieces
-from mpistrat.tfformats.sstable import build_table, read_table
-from mpistrat.tfformats.wire import WireError, read_varint, varint
+from mpistrat.tfformats.sstable import read_table
+from mpistrat.tfformats.wire import WireError, read_varint
 
 __all__ = ["BundleEntry", "BundleIndex", "read_index", "read_value", "decode_value",
-           "encode_value", "write_shard", "write_index", "data_name", "index_name",
-           "is_bundle", "numpy_dtype", "dtype_enum", "refusal", "STRING", "MAX_INDEX_BYTES"]
+           "data_name", "index_name", "is_bundle", "numpy_dtype", "dtype_enum", "refusal",
+           "length_bytes", "STRING", "MAX_INDEX_BYTES"]
 
 STRING = 7
 MAX_INDEX_BYTES = 1 << 30      # an index this large holds millions of tensors: refused
@@ -361,7 +361,7 @@ def decode_value(entry: BundleEntry, raw) -> np.ndarray:
     return stored.astype(entry.dtype).reshape(entry.shape)
 
 
-def _length_bytes(length: int) -> bytes:
+def length_bytes(length: int) -> bytes:
     return struct.pack("<I", length) if length <= 0xFFFFFFFF else struct.pack("<Q", length)
 
 
@@ -380,7 +380,7 @@ def _decode_strings(entry: BundleEntry, raw: memoryview, where: str) -> np.ndarr
     if pos + 4 + sum(lengths) != len(raw):
         raise DataLossError(f"{where}: string lengths add up to {pos + 4 + sum(lengths)} "
                             f"bytes, the entry has {len(raw)}")
-    crc = crc32c(b"".join(_length_bytes(n) for n in lengths))
+    crc = crc32c(b"".join(length_bytes(n) for n in lengths))
     (stored,) = struct.unpack_from("<I", raw, pos)
     if unmask(stored) != crc:
         raise DataLossError(f"{where}: CRC-32C mismatch in the string lengths")
@@ -392,57 +392,3 @@ def _decode_strings(entry: BundleEntry, raw: memoryview, where: str) -> np.ndarr
         out[index] = bytes(raw[pos:pos + length])
         pos += length
     return out.reshape(entry.shape)
-
-
-def encode_value(value) -> Tuple[int, Tuple[int, ...], bytes, int]:
-    """``(dtype enum, shape, stored bytes, masked CRC)`` of a NumPy value."""
-    value = np.asarray(value)
-    enum = dtype_enum(value.dtype)
-    if enum != STRING:
-        data = np.ascontiguousarray(value.astype(value.dtype.newbyteorder("<"),
-                                                 copy=False)).tobytes()
-        return enum, value.shape, data, mask(crc32c(data))
-    items = [bytes(v) if not isinstance(v, str) else v.encode() for v in value.reshape(-1)]
-    lengths = b"".join(varint(len(v)) for v in items)
-    crc = crc32c(b"".join(_length_bytes(len(v)) for v in items))
-    checksum = struct.pack("<I", mask(crc))
-    body = b"".join(items)
-    crc = extend(extend(crc, checksum), body)
-    return enum, value.shape, lengths + checksum + body, mask(crc)
-
-
-def _write_atomically(path: str, chunks) -> None:
-    """Write the bytes ``chunks`` yields to ``path``: a temporary of a random name created with
-    ``O_EXCL|O_NOFOLLOW``, fsync, rename (``io/safe_files.py``)."""
-    replace_atomically(path, lambda handle: [handle.write(chunk) for chunk in chunks])
-
-
-def write_shard(path: str, items: Sequence[Tuple[str, np.ndarray]],
-                shard: int = 0) -> List[dict]:
-    """Write one data shard holding ``items`` (key, value), atomically; the entries for
-    ``write_index``."""
-    entries: List[dict] = []
-
-    def chunks():
-        offset = 0
-        for key, value in items:
-            enum, shape, data, crc = encode_value(value)
-            entries.append({"key": key, "dtype": enum, "shape": {"dim": [
-                {"size": int(d)} for d in shape]}, "shard_id": shard, "offset": offset,
-                "size": len(data), "crc32c": crc})
-            offset += len(data)
-            yield data
-
-    _write_atomically(path, chunks())
-    return entries
-
-
-def write_index(prefix: str, num_shards: int, entries: Sequence[dict]) -> None:
-    """Write ``PREFIX.index`` for ``entries`` (from ``write_shard``, any shard order)."""
-    header = messages.serialize("BundleHeaderProto", {
-        "num_shards": num_shards, "endianness": 0, "version": {"producer": 1}})
-    rows = [(b"", header)]
-    for entry in sorted(entries, key=lambda e: e["key"].encode()):
-        fields = {k: v for k, v in entry.items() if k != "key"}
-        rows.append((entry["key"].encode(), messages.serialize("BundleEntryProto", fields)))
-    _write_atomically(index_name(prefix), [build_table(rows)])

@@ -16,7 +16,7 @@ import pytest
 import mpistrat as ms
 from mpistrat.convert import main as convert
 from mpistrat.errors import DataLossError
-from mpistrat.tfformats import bundle
+from mpistrat.tfformats import bundle, bundle_writer
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "tf"
 REPORT = json.loads((DATA / "values.json").read_text())
@@ -183,7 +183,8 @@ def test_each_value_is_read_by_one_rank(world, shared_dir):
     if world.rank == 0:
         os.makedirs(os.path.dirname(prefix))
         items = [(f"{k}{VALUE}", v) for k, v in sorted(values.items())]
-        bundle.write_index(prefix, 1, bundle.write_shard(bundle.data_name(prefix, 0, 1), items))
+        shard = bundle_writer.write_shard(bundle.data_name(prefix, 0, 1), items)
+        bundle_writer.write_index(prefix, 1, shard)
     world.comm.Barrier()
     ours = {k: np.zeros_like(v) for k, v in values.items()}
     before = _bytes_read()

@@ -12,7 +12,7 @@ import pytest
 
 import mpistrat as ms
 from mpistrat.errors import NotFoundError
-from mpistrat.tfformats import bundle, messages, object_graph, sstable, wire
+from mpistrat.tfformats import bundle, bundle_writer, messages, object_graph, sstable, wire
 from mpistrat.tfformats.crc import _python_extend, crc32c, mask, masked_crc32c, unmask
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "tf"
@@ -107,7 +107,7 @@ def test_our_value_encoding_is_tensorflows_byte_for_byte():
         index = bundle.read_index(str(DATA / name))
         for key, entry in index.entries.items():
             value = bundle.read_value(entry)
-            enum, shape, data, crc = bundle.encode_value(value)
+            enum, shape, data, crc = bundle_writer.encode_value(value)
             with open(entry.file, "rb") as handle:
                 handle.seek(entry.offset)
                 stored = handle.read(entry.size)
@@ -149,9 +149,9 @@ def test_bundle_writer_round_trip_every_dtype(tmp_path):
     }
     prefix = str(tmp_path / "ckpt-1")
     items = sorted(values.items())
-    first = bundle.write_shard(bundle.data_name(prefix, 0, 2), items[:5], 0)
-    second = bundle.write_shard(bundle.data_name(prefix, 1, 2), items[5:], 1)
-    bundle.write_index(prefix, 2, second + first)
+    first = bundle_writer.write_shard(bundle.data_name(prefix, 0, 2), items[:5], 0)
+    second = bundle_writer.write_shard(bundle.data_name(prefix, 1, 2), items[5:], 1)
+    bundle_writer.write_index(prefix, 2, second + first)
     reader = ms.train.load_checkpoint(prefix)
     assert sorted(reader.get_variable_to_shape_map()) == sorted(values)
     for key, value in values.items():

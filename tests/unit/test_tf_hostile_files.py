@@ -16,7 +16,7 @@ import pytest
 
 import mpistrat as ms
 from mpistrat.errors import DataLossError, InvalidArgumentError
-from mpistrat.tfformats import bundle, messages, object_graph, sstable, wire
+from mpistrat.tfformats import bundle, bundle_writer, messages, object_graph, sstable, wire
 from mpistrat.tfformats.crc import masked_crc32c
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "tf"
@@ -294,8 +294,8 @@ def _colliding_checkpoint(prefix):
     items = sorted([(one, np.ones(2, np.float32)), (two, np.zeros(2, np.float32)),
                     (object_graph.GRAPH_KEY, np.array(graph, dtype=object))],
                    key=lambda kv: kv[0].encode())
-    entries = bundle.write_shard(bundle.data_name(prefix, 0, 1), items)
-    bundle.write_index(prefix, 1, entries)
+    entries = bundle_writer.write_shard(bundle.data_name(prefix, 0, 1), items)
+    bundle_writer.write_index(prefix, 1, entries)
 
 
 def test_convert_refuses_two_tensorflow_keys_that_become_one_path(tmp_path):

@@ -50,6 +50,8 @@ from mpistrat.checkpoint.frameworks import install_build_hook
 from mpistrat.checkpoint.files import data_file, local_view, missing_hint
 from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots, required_paths
 from mpistrat.checkpoint.keras_names import KerasNames
+from mpistrat.checkpoint.status import (CheckpointLoadStatus, InitializationOnlyStatus,
+                                        refuse_no_match)
 from mpistrat.checkpoint.pytrees import as_saved, saved_kind
 from mpistrat.checkpoint.matching import (agree_plan, check_compatible as _check_compatible,
                                           fit_to_slot, read_batches)
@@ -87,91 +89,6 @@ def _found(slots, catalog, source: str) -> Dict[str, str]:
     if names and len(found) < len(slots):
         found = KerasNames(names, lambda p: catalog[p].shape, source).match(slots, found)
     return found
-
-
-def _refuse_no_match(path: str, matched, missing, unmatched) -> None:
-    """A restore where our objects and the file's values exist but none met (the paths
-    differ throughout) restores nothing: ``ValueError``, even where ``expect_partial()``
-    would follow (TensorFlow's ``assert_nontrivial_match``). The same on every rank: the
-    ranks agreed the plan the sets come from."""
-    ours = sorted(set(missing) - {"save_counter"})
-    theirs = sorted(set(unmatched) - {"save_counter"})
-    if matched - {"save_counter"} or not ours or not theirs:
-        return
-    raise ValueError(
-        f"restoring {path}: none of our {len(ours)} objects found a value among the file's "
-        f"{len(theirs)}: the paths differ throughout (ours: {ours[:3]}, the file's: "
-        f"{theirs[:3]}); nothing was restored. Build the objects as they were saved (the same "
-        f"attribute names)")
-
-
-class CheckpointLoadStatus:
-    """What a restore matched; the ``assert_*`` methods raise ``AssertionError``.
-
-    ``assert_consumed`` and ``assert_existing_objects_matched`` first restore pending values
-    into objects created since the restore (``apply_pending``), then judge the graph as it is.
-    """
-
-    def __init__(self, path: str, matched, unmatched_values, missing_objects, refresh=None):
-        self.path = path
-        self.matched = set(matched)
-        self.unmatched_values = set(unmatched_values)  # in the file, no object (yet)
-        self.missing_objects = set(missing_objects)    # objects with no value in the file
-        self._refresh = refresh   # () -> objects now without a value (None: keep the old)
-
-    def apply_pending(self) -> "CheckpointLoadStatus":
-        """Restore values still pending into the objects that now exist anywhere in the
-        checkpoint's graph (objects created after the restore: optimizer slots, a lazily
-        built layer, a pytree attached deep inside another object)."""
-        if self._refresh is not None:
-            missing = self._refresh()
-            if missing is not None:
-                self.missing_objects = set(missing)
-        return self
-
-    def assert_consumed(self) -> "CheckpointLoadStatus":
-        """Every value in the file found its object, and every object its value."""
-        self.apply_pending()
-        if self.unmatched_values:
-            raise AssertionError(f"{self.path}: values with no object to restore into: "
-                                 f"{sorted(self.unmatched_values)}")
-        return self._existing_matched()
-
-    def assert_existing_objects_matched(self) -> "CheckpointLoadStatus":
-        """Every object now tracked got a value from the file."""
-        self.apply_pending()
-        return self._existing_matched()
-
-    def _existing_matched(self) -> "CheckpointLoadStatus":
-        if self.missing_objects:
-            raise AssertionError(f"{self.path}: objects without a value in the checkpoint: "
-                                 f"{sorted(self.missing_objects)}")
-        return self
-
-    def assert_nontrivial_match(self) -> "CheckpointLoadStatus":
-        """At least one object other than the save counter was restored."""
-        if not self.matched - {"save_counter"}:
-            raise AssertionError(f"{self.path}: nothing but the save counter was restored")
-        return self
-
-    def expect_partial(self) -> "CheckpointLoadStatus":
-        """Accept a partial restore (nothing is warned about here)."""
-        return self
-
-    def run_restore_ops(self, session=None) -> None:
-        """Restores happen eagerly; kept for compatibility."""
-
-
-class InitializationOnlyStatus(CheckpointLoadStatus):
-    """The status of ``restore(None)``: nothing was restored."""
-
-    def __init__(self):
-        super().__init__("(no checkpoint)", (), (), ())
-
-    def assert_consumed(self):
-        raise AssertionError("no checkpoint was restored (restore(None))")
-
-    assert_existing_objects_matched = assert_nontrivial_match = assert_consumed
 
 
 class Checkpoint:
@@ -312,7 +229,7 @@ class Checkpoint:
             object.__setattr__(self, "_pending", pending)
             object.__setattr__(self, "_status", CheckpointLoadStatus(
                 path, matched, set(pending.unmatched), missing, lambda: self._refresh(None)))
-            _refuse_no_match(path, matched, missing, set(pending.unmatched))
+            refuse_no_match(path, matched, missing, set(pending.unmatched))
             self._hook_unbuilt(collect_slots(self._named()))
             return self._status
         final = data_file(path)
@@ -337,7 +254,7 @@ class Checkpoint:
         status = CheckpointLoadStatus(final, matched, pending, required_paths(slots) - saved,
                                       lambda: self._refresh(saved))
         object.__setattr__(self, "_status", status)
-        _refuse_no_match(final, matched, status.missing_objects, set(pending))
+        refuse_no_match(final, matched, status.missing_objects, set(pending))
         self._hook_unbuilt(slots)
         return status
 

@@ -98,8 +98,14 @@ def sync_batch_normalization_class():
             channels = (local.shape[0] - 1) // 2
             number = totals[-1]
             mean = totals[:channels] / number
-            variance = totals[channels:2 * channels] / number - ops.square(mean)
+            variance = ops.maximum(totals[channels:2 * channels] / number - ops.square(mean),
+                                   0.0)   # (E[x^2] - mean^2 may round below 0, as in TF)
             return mean, variance
+
+        def get_config(self):
+            config = super().get_config()   # (a clone or a loaded model synchronises too)
+            config["synchronized"] = True
+            return config
 
     return SyncBatchNormalization
 

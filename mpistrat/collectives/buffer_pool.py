@@ -9,8 +9,9 @@ tracking who still holds them.
 
 *Scratch* (a ring's receive buffer, a conversion's mask) is ours: ``lease`` lends an array
 for the duration of a ``with`` block and takes it back at its end, for the next lease of
-the same size. Nothing is lent twice at once, and nothing the caller received is ever
-reused::
+the same size; a block that raised (a collective that timed out with a receive still
+posted) drops its lease instead. Nothing is lent twice at once, and nothing the caller
+received is ever reused::
 
     >>> import numpy as np
     >>> from mpistrat.collectives.buffer_pool import BufferPool
@@ -56,13 +57,13 @@ class BufferPool:
                 self.held_bytes -= nbytes
         if owner is None:
             owner = np.empty(nbytes, dtype=np.uint8)
-        try:
-            yield owner.view(dtype).reshape(shape)
-        finally:
-            with self._lock:
-                if self.held_bytes + nbytes <= self.max_bytes:
-                    self._free.setdefault(nbytes, []).append(owner)
-                    self.held_bytes += nbytes
+        yield owner.view(dtype).reshape(shape)
+        # (reached only when the block ended normally: after a failure, a timed-out receive
+        # may still land in this memory, so it is dropped, never lent again)
+        with self._lock:
+            if self.held_bytes + nbytes <= self.max_bytes:
+                self._free.setdefault(nbytes, []).append(owner)
+                self.held_bytes += nbytes
 
     def clear(self) -> None:
         """Forget every kept array."""

@@ -351,6 +351,11 @@ def test_sync_batch_normalization_trains_as_one_process_on_the_global_batch(worl
     same_on_every_rank(strategy, weights(model))
     np.testing.assert_allclose(model.predict(x, verbose=0), single.predict(x, verbose=0),
                                rtol=2e-5, atol=2e-6)
+    from mpistrat.keras_sync_bn import synchronizes
+    with strategy.scope():       # a clone (or a loaded model) keeps synchronising
+        clone = keras.models.clone_model(model)
+    assert synchronizes(clone) == (world.size > 1)
+    assert clone.layers[1].get_config()["synchronized"] is True
 
 
 @pytest.mark.mpi(min_size=1)

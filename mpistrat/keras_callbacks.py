@@ -4,9 +4,10 @@ starts, and callbacks that write files writing once, from rank 0.
 Every rank runs the same ``fit``, so a callback given to it runs on every rank.
 ``ModelCheckpoint``, ``BackupAndRestore`` and ``CSVLogger`` would then write the same file
 from every rank at once (HDF5's lock refuses the second writer: ``unable to lock file, errno
-= 11``; a CSV gets its lines several times). ``BackupAndRestore`` restores on every rank: rank
-0 first (it may repair a torn backup from the previous one), then the others, from the same
-files. Keras's ``TensorBoard`` needs TensorFlow: it is swapped for
+= 11``; a CSV gets its lines several times). ``BackupAndRestore`` is restored by rank 0 (which
+may repair a torn backup from the previous one), then rank 0's weights, optimizer state and
+epoch are broadcast: the other ranks never read the backup, so a ``backup_dir`` on rank 0's
+local disk works too. Keras's ``TensorBoard`` needs TensorFlow: it is swapped for
 ``ms.summary.TensorBoard``. ``for_fit`` hands Keras these callbacks wrapped so that they run on
 rank 0 alone; every rank meets rank 0 at the end of each epoch and of training, so the
 files are complete when ``fit`` returns anywhere, and a failure there (a full disk) raises
@@ -27,6 +28,26 @@ _HOOKS = ("on_epoch_begin", "on_epoch_end", "on_train_begin", "on_train_end",
           "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
           "on_test_batch_begin", "on_test_batch_end", "on_predict_begin", "on_predict_end",
           "on_predict_batch_begin", "on_predict_batch_end")
+
+
+def _share_restored(model, engine) -> None:
+    """Rank 0's restored state on every rank: the epoch to resume at (Keras's
+    ``_initial_epoch``, which ``BackupAndRestore`` sets), the model's variables and, when rank
+    0's optimizer holds state, the optimizer's (built here first where it is not yet)."""
+    import numpy as np
+    optimizer = getattr(model, "optimizer", None)
+    epoch, built = engine.broadcast_object(
+        (getattr(model, "_initial_epoch", None), bool(getattr(optimizer, "built", False))), 0)
+    if engine.rank != 0:
+        if epoch is not None:
+            model._initial_epoch = epoch
+        if built and not optimizer.built:
+            optimizer.build(model.trainable_variables)
+    variables = list(model.variables) + (list(optimizer.variables) if built else [])
+    values = engine.broadcast([np.asarray(v.value) for v in variables], 0)
+    if engine.rank != 0:
+        for variable, value in zip(variables, values):
+            variable.assign(value)
 
 
 def _restores(callback) -> bool:
@@ -82,11 +103,12 @@ def for_fit(model: Any, strategy: Any, callbacks: Optional[Sequence],
             what = f"a callback that runs on rank 0 ({type(self.inner).__name__})"
             run(self, name, args, kwargs, rank == 0)
             if name == "on_train_begin" and _restores(self.inner):
-                # BackupAndRestore: rank 0 repairs the backup if it must (Keras copies the
-                # previous one over a torn one), then every other rank loads the same files
+                # BackupAndRestore: rank 0 loads the backup (repairing a torn one from the
+                # previous, as Keras does), then gives every rank its weights, optimizer
+                # state and epoch: the others never read the files (a backup_dir on rank
+                # 0's local disk works, and no rank but 0 ever writes there)
                 agree_errors(engine, self.failure, what)
-                run(self, name, args, kwargs, rank != 0)
-                agree_errors(engine, self.failure, f"{what} restoring its backup")
+                _share_restored(self.inner.model, engine)
             if name in ("on_epoch_end", "on_train_end"):   # (every rank: the files are
                 agree_errors(engine, self.failure, what)     # complete, or all raise)
         return hook

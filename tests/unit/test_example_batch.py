@@ -21,7 +21,7 @@ FEATURES = {
     "weights": ms.io.VarLenFeature("float32"),
     "blobs": ms.io.VarLenFeature("string"),
     "grid": ms.io.FixedLenFeature([2, 2], "int64", default_value=[[1, 2], [3, 4]]),
-    "clé": ms.io.VarLenFeature("string"),
+    "a_name_longer_than_8": ms.io.VarLenFeature("string"),
 }
 
 
@@ -51,7 +51,7 @@ def random_example(rng) -> bytes:
     if rng.random() < 0.5:
         fields["grid"] = {"int64_list": {"value": rng.integers(-300, 300, 4).tolist()}}
     if rng.random() < 0.5:
-        fields["clé"] = {"bytes_list": {"value": ["é".encode()] * n}}
+        fields["a_name_longer_than_8"] = {"bytes_list": {"value": ["é".encode()] * n}}
     if rng.random() < 0.5:
         fields["unasked"] = {"float_list": {"value": [1.0]}}
     del values
@@ -163,3 +163,27 @@ def test_bad_records_raise_what_the_record_by_record_path_raises(name):
     with pytest.raises(ms.errors.InvalidArgumentError) as each:
         ex.parse_each(records, ex._specs(features))
     assert str(batch.value) == str(each.value)
+
+
+def test_a_record_gets_the_same_answer_whatever_else_is_in_its_batch():
+    """Protobuf parses every feature of a record and checks its keys' UTF-8; the batch path
+    reads the features asked for. A record that protobuf refuses (a broken feature nobody
+    asked for, a key that is not UTF-8) is refused in any batch, and a valid record with a
+    key beyond ASCII parses the same in any batch."""
+    x = ex.messages.serialize("Feature", {"int64_list": {"value": [1]}})
+    broken_unasked = example(entry(b"x", x), entry(b"y", b"\x1a\x01\x80"))
+    bad_key = example(entry(b"x", x), entry(b"\xff", x))
+    truncated_varint = example(entry(b"x", x), entry(b"y", b"\x1a\x03\x0a\x01\x80"))
+    features = {"x": ms.io.FixedLenFeature([], "int64")}
+    good = example(entry(b"x", x))
+    unpacked = example(entry(b"x", b"\x1a\x02\x08\x05"))     # valid, left to protobuf
+    assert ms.io.parse_example([good, unpacked], features)["x"].tolist() == [1, 5]
+    for record in (broken_unasked, bad_key, truncated_varint):
+        with pytest.raises(ms.errors.InvalidArgumentError):
+            ms.io.parse_single_example(record, features)
+        for batch in ([record], [good, record], [record, unpacked]):
+            with pytest.raises(ms.errors.InvalidArgumentError, match="example"):
+                ms.io.parse_example(batch, features)
+    accented = example(entry(b"x", x), entry("clé".encode(), x))
+    alone = ms.io.parse_example([accented], features)["x"].tolist()
+    assert alone == ms.io.parse_example([accented, accented], features)["x"].tolist()[:1] == [1]

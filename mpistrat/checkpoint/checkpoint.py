@@ -308,7 +308,8 @@ class Checkpoint:
             self._apply_pending()
         if saved is None:
             return None
-        return required_paths(collect_slots(self._named())) - saved
+        restored = self._status.matched if self._status is not None else set()
+        return required_paths(collect_slots(self._named())) - saved - restored
 
     def _apply_pending(self, named: Optional[Dict[str, Any]] = None) -> None:
         """Values restored earlier for objects that appeared since (anywhere in the graph):
@@ -317,16 +318,19 @@ class Checkpoint:
         if hasattr(self._pending, "apply"):  # values of a TensorFlow checkpoint
             return self._pending.apply(self, named, _check_compatible)
         slots = collect_slots(named, self._assign)
-        found = sorted(set(slots) & set(self._pending))
-        for path in found:
-            _check_compatible(slots[path], self._pending[path], path, self._pending[path].source)
-        values = {p: read_entry(self._pending[p]) for p in found}
-        matched = self._apply(slots, values, "the restored checkpoint")
-        for path in matched:
-            self._pending.pop(path, None)
+        found = _found(slots, self._pending, "the restored checkpoint")  # (by name too)
+        for path, target in sorted(found.items()):
+            _check_compatible(slots[path], self._pending[target], path,
+                              self._pending[target].source)
+        entries = {p: self._pending[t] for p, t in found.items()}
+        values = {p: read_entry(e) for p, e in entries.items()}
+        matched = self._apply(slots, values, "the restored checkpoint", entries)
+        used = {found[p] for p in matched}
+        for target in used:
+            self._pending.pop(target, None)
         if self._status is not None:
             self._status.matched |= matched
-            self._status.unmatched_values -= matched
+            self._status.unmatched_values -= used
         self._hook_unbuilt(slots)   # objects attached unbuilt get their values when built
 
 

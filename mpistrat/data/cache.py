@@ -7,7 +7,9 @@ iteration is the one at the iteration path of zeros (epoch 0, repetition 0), whi
 asked first, so an iterator resumed at epoch 3 sees the same elements as the run that never
 stopped. Random access is kept: with a plan below, only the rows (or the slices of batches)
 that this process asks for are computed and kept, so each rank of a distributed dataset
-keeps its own rows, never the whole dataset. Without a plan, the elements are kept as they
+keeps its own rows; under a reshuffle *above* the cache each epoch deals other rows to a
+rank, which over the epochs computes and keeps every row it is dealt (up to the whole
+dataset, as every tf.data worker caches its whole input). Without a plan, the elements are kept as they
 are yielded, and kept only once an iteration reached the end (an iteration abandoned
 midway keeps nothing, as tf.data discards a partial cache)::
 

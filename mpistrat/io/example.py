@@ -120,6 +120,10 @@ class _Spec:
             self.allow_missing = bool(feature.allow_missing)
             self.pad = np.zeros((), self.numpy) if self.dtype != "string" else b""
             if feature.default_value is not None:
+                if np.size(feature.default_value) != 1:
+                    raise InvalidArgumentError(
+                        f"feature {name!r}: a FixedLenSequenceFeature's default_value pads "
+                        f"with one value: give a scalar, not {feature.default_value!r}")
                 self.pad = self._default(feature.default_value)[0]
         if self.fixed:
             self.shape = tuple(int(d) for d in feature.shape)

@@ -30,6 +30,7 @@ import hashlib
 import os
 import secrets
 import struct
+import tempfile
 from typing import Optional
 
 import numpy as np
@@ -48,7 +49,11 @@ _MIN_RECORD = 16       # header and footer of an empty record
 
 def default_index_dir() -> str:
     """``$XDG_CACHE_HOME/mpistrat/tfrecord-index`` (``~/.cache`` when it is not set)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        home = os.path.expanduser("~")
+        base = os.path.join(home, ".cache") if home != "~" else os.path.join(
+            tempfile.gettempdir(), f"mpistrat-{os.getuid()}")   # (no home at all)
     return os.path.join(base, "mpistrat", "tfrecord-index")
 
 

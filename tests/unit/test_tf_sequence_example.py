@@ -100,6 +100,9 @@ def test_specs_tensorflow_refuses_are_refused_before_parsing():
     record = records("sequences.tfrecord")[1]
     with pytest.raises(ValueError, match="allow_missing"):
         ms.io.parse_example([b""], {"t": ms.io.FixedLenSequenceFeature([], "int64")})
+    with pytest.raises(InvalidArgumentError, match="give a scalar"):
+        ms.io.parse_example([b""], {"t": ms.io.FixedLenSequenceFeature(
+            [2], "int64", allow_missing=True, default_value=[1, 2])})
     with pytest.raises(ValueError, match="default_value must be None"):
         ms.io.parse_single_sequence_example(record, None, {"tok": ms.io.FixedLenSequenceFeature(
             [], "int64", allow_missing=True, default_value=3)})

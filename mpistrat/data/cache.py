@@ -73,15 +73,23 @@ class Cache(ops.Unary):
 
 
 class _Memo(plans.Plan):
-    """A plan that computes each row (row plans) or each requested slice of a batch (batch
-    plans) once, and serves it from memory afterwards."""
+    """A plan that computes each row (row plans), each requested slice of a batch and each
+    batch's size (batch plans) once, and serves them from memory afterwards. Every iterator of
+    the dataset shares it (and the one child plan below, whose read-ahead window is state):
+    one at a time, under a lock."""
 
     def __init__(self, child: plans.Plan):
         self.child, self.length, self.batched = child, child.length, child.batched
         self._rows: Dict[int, Any] = {}
         self._slices: Dict[tuple, Rows] = {}
+        self._sizes: Dict[int, int] = {}
+        self._lock = threading.RLock()
 
     def need(self, wanted):
+        with self._lock:
+            self._need(wanted)
+
+    def _need(self, wanted):
         if self.batched:
             missing = [tuple(r) for r in wanted if tuple(r) not in self._slices]
         else:
@@ -91,6 +99,10 @@ class _Memo(plans.Plan):
             self.child.need(missing if self.batched else np.asarray(missing, dtype=np.int64))
 
     def gather(self, indices):
+        with self._lock:
+            return self._gather(indices)
+
+    def _gather(self, indices):
         indices = np.asarray(indices, dtype=np.int64).tolist()
         missing = sorted({i for i in indices if i not in self._rows})
         if missing:
@@ -99,9 +111,16 @@ class _Memo(plans.Plan):
         return Rows.of_items([self._rows[i] for i in indices])
 
     def size(self, index):
-        return self.child.size(index)
+        with self._lock:     # (a map after batch would run again just to count the rows)
+            if index not in self._sizes:
+                self._sizes[index] = self.child.size(index)
+            return self._sizes[index]
 
     def rows(self, requests):
+        with self._lock:
+            return self._rows_of(requests)
+
+    def _rows_of(self, requests):
         keys = [tuple(int(v) for v in r) for r in requests]
         missing = [k for k in dict.fromkeys(keys) if k not in self._slices]
         if missing:

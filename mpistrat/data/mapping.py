@@ -66,7 +66,16 @@ def map_stacked(fn: Callable, rows: Rows, workers: int, rowwise: bool = True) ->
         if rowwise:
             _check_rows(out, piece.count)
         return Rows.stacked_as(out, piece.count)
-    return Rows.concat(parallel_map(one, pieces, workers))
+    parts = parallel_map(one, pieces, workers)
+    if rowwise and len(parts) > 1:
+        shapes = {tuple(np.shape(leaf)[1:] for leaf in nest.flatten(p.stacked)) for p in parts}
+        if len(shapes) > 1:   # (rows padded to each call's longest: they depend on the group)
+            raise ValueError(
+                f"a map(vectorized=True) before batch must treat each row alone, but its rows "
+                f"came back with other shapes for other groups of rows ({sorted(shapes)[:2]}):"
+                f" a result padded to the longest row of each call (a FixedLenSequenceFeature)"
+                f" depends on the group; parse after batch, or row by row without vectorized")
+    return Rows.concat(parts)
 
 
 def _check_rows(out: Any, count: int) -> None:

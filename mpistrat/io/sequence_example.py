@@ -153,7 +153,10 @@ def _dense(steps: List[Any], spec) -> np.ndarray:
     return ex._array(steps, spec).reshape((len(steps),) + spec.shape)
 
 
-def _parse(records: List[Any], sequence_features):
+def _parse(records: List[Any], context_features, sequence_features):
+    if not context_features and not sequence_features:
+        raise ValueError("context_features and sequence_features are both empty: at least "
+                         "one should have values (as TensorFlow requires)")
     sequences = _sequences(sequence_features)
     contexts, steps = [], {s.name: [] for s in sequences}
     for index, record in enumerate(records):
@@ -172,7 +175,7 @@ def parse_single_sequence_example(serialized, context_features=None, sequence_fe
     if isinstance(serialized, np.ndarray) and serialized.shape == ():
         serialized = serialized[()]
     context_specs = _context_specs(context_features)
-    sequences, contexts, steps = _parse([serialized], sequence_features)
+    sequences, contexts, steps = _parse([serialized], context_features, sequence_features)
     context = ex.parse_single_example(contexts[0], context_specs) if context_specs else {}
     out = {}
     for sequence in sequences:
@@ -190,7 +193,7 @@ def parse_sequence_example(serialized, context_features=None, sequence_features=
     records = list(np.asarray(serialized, dtype=object).reshape(-1)) \
         if not isinstance(serialized, (list, tuple)) else list(serialized)
     context_specs = _context_specs(context_features)
-    sequences, contexts, steps = _parse(records, sequence_features)
+    sequences, contexts, steps = _parse(records, context_features, sequence_features)
     context = ex.parse_example(contexts, context_specs) if context_specs else {}
     out, lengths = {}, {}
     for sequence in sequences:

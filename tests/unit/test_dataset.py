@@ -143,3 +143,42 @@ def test_a_vectorized_map_before_batch_that_returns_a_sparse_batch_is_refused(wo
                                                               num_parallel_calls=workers)
     batch = next(iter(after))["t"]
     assert batch.dense_shape.tolist() == [40, 3] and len(batch.values) == 79
+
+
+def test_a_cached_map_after_batch_runs_once_per_batch_even_to_count_rows():
+    """Before, every epoch asked the map below for each batch's size, which ran it again."""
+    square = Counting()
+    dataset = Dataset.range(40).batch(2).map(square).cache()   # (not vectorized: whole batches)
+    first, second = values(dataset), values(dataset)
+    assert first == second and len(first) == 20
+    assert square.calls <= 20 + 16      # the first epoch's look-ahead, then nothing
+
+
+def test_two_iterators_of_one_cached_dataset_at_once_get_the_same_rows():
+    import threading
+    dataset = Dataset.range(3000).map(lambda x: x * 3).cache().batch(7).prefetch(4)
+    got = {}
+
+    def run(name):
+        got[name] = values(dataset)
+    threads = [threading.Thread(target=run, args=(n,)) for n in range(3)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    want = values(Dataset.range(3000).map(lambda x: x * 3).batch(7))
+    assert got[0] == got[1] == got[2] == want
+
+
+def test_a_vectorized_map_whose_rows_depend_on_the_group_is_refused_whatever_the_threads():
+    """A FixedLenSequenceFeature pads to the longest row of each call: before batch, on
+    several threads, the pieces came back with other widths and failed deep in concatenate
+    (and on one thread the widths depended on the read group); now it is named."""
+    import mpistrat as ms
+    records = np.array([ms.io.serialize_example({"t": list(range(i % 5 + 1))})
+                        for i in range(64)], dtype=object)
+    dense = {"t": ms.io.FixedLenSequenceFeature([], "int64", allow_missing=True)}
+    parse = lambda r: ms.io.parse_example(r, dense)  # noqa: E731
+    with pytest.raises(ValueError, match="other shapes for other groups"):
+        list(Dataset.from_tensor_slices(records).map(parse, vectorized=True,
+                                                     num_parallel_calls=4).batch(8))
+    after = next(iter(Dataset.from_tensor_slices(records).batch(64).map(parse, vectorized=True)))
+    assert after["t"].shape == (64, 5)

@@ -109,6 +109,8 @@ def test_specs_tensorflow_refuses_are_refused_before_parsing():
     with pytest.raises(ValueError, match="sequence_features"):
         ms.io.parse_single_sequence_example(record, {"tok": ms.io.FixedLenSequenceFeature(
             [], "int64", allow_missing=True)})
+    with pytest.raises(ValueError, match="at least one should have values"):
+        ms.io.parse_sequence_example([record], None, {})
     with pytest.raises(ValueError, match="expected FixedLenSequenceFeature or VarLenFeature"):
         ms.io.parse_single_sequence_example(record, None, {"tok": ms.io.FixedLenFeature(
             [], "int64")})

@@ -34,7 +34,7 @@ from typing import Any, Dict, List, NamedTuple, Sequence
 import numpy as np
 
 from mpistrat.errors import DataLossError, InvalidArgumentError
-from mpistrat.io.example_batch import parse_batch
+from mpistrat.io.example_batch import parse_batch, ragged_positions
 from mpistrat.tfformats import messages
 from mpistrat.tfformats.wire import varint
 
@@ -303,9 +303,7 @@ def parse_each(examples: List, specs: List[_Spec]) -> Dict[str, Any]:
             out[spec.name] = _array(lists, spec).reshape((len(examples),) + spec.shape)
             continue
         lengths = np.array([_count(v, spec) for v in lists], dtype=np.int64)
-        rows = np.repeat(np.arange(len(lists), dtype=np.int64), lengths)
-        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-        positions = np.arange(int(lengths.sum()), dtype=np.int64) - starts
+        rows, positions = ragged_positions(lengths)
         values = _array(lists, spec)
         out[spec.name] = SparseTensorValue(
             np.stack([rows, positions], axis=1).reshape(-1, 2), values,

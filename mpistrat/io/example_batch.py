@@ -30,7 +30,7 @@ from mpistrat.tfformats.wire_columns import (Unusual, as_int64, equal_spans, len
                                              packed_varints, padded, repeated_fields, spans_bytes,
                                              varints)
 
-__all__ = ["parse_batch"]
+__all__ = ["parse_batch", "ragged_positions"]
 
 _TAGS = {"bytes_list": 0x0A, "float_list": 0x12, "int64_list": 0x1A}   # Feature's oneof
 _BYTE_STRINGS = {bytes, bytearray, np.bytes_}
@@ -54,7 +54,7 @@ class _Batch:
 
     def __init__(self, records: List[bytes]):
         self.count = len(records)
-        self.data = b"".join(records)                    # (TypeError: not all bytes)
+        self.data = b"".join(records)
         self.buf = buf = padded(self.data)
         lengths = np.fromiter(map(len, records), np.int64, self.count)
         stop = np.cumsum(lengths)
@@ -73,8 +73,7 @@ class _Batch:
             raise Unusual("a map entry with more than a key and a value")
         # each key's length and first 8 bytes as one number: a feature's entries in 3 steps
         self.key_length = self.key_stop - self.key_start
-        rows = np.lib.stride_tricks.as_strided(buf, (len(buf) - 7, 8), (1, 1))  # (a view)
-        head = rows[self.key_start].view("<u8").reshape(-1)
+        head = equal_spans(buf, self.key_start, 8).view("<u8").reshape(-1)
         self.key_head = head & _KEEP[np.minimum(self.key_length, 8)]
         if (self.key_head & _HIGH_BITS).any() or self._long_keys_not_ascii():
             raise Unusual("a key beyond ASCII (protobuf checks its UTF-8)")
@@ -92,7 +91,7 @@ class _Batch:
         head = int.from_bytes(key[:8], "little")
         found = np.flatnonzero((self.key_head == head) & (self.key_length == len(key)))
         if len(key) > 8 and len(found):                  # the rest of a long key
-            window = self.buf[self.key_start[found][:, None] + np.arange(8, len(key))]
+            window = equal_spans(self.buf, self.key_start[found] + 8, len(key) - 8)
             found = found[(window == np.frombuffer(key[8:], np.uint8)).all(axis=1)]
         if len(found) > 1 and (np.diff(self.record[found]) <= 0).any():
             raise Unusual(f"feature {name!r} given twice in one Example")
@@ -119,10 +118,30 @@ def _same_headers(batch: _Batch, spec, entries: np.ndarray):
         return None
     if inner != len(first) - at or head + payload != len(first):
         return None                   # (more than one value or field in the list)
-    window = batch.buf[start[:, None] + np.arange(head)]
+    window = equal_spans(batch.buf, start, head)
     if not (window == np.frombuffer(first[:head], np.uint8)).all():
         return None
     return start + head, stop
+
+
+def _lists(buf, start: np.ndarray, stop: np.ndarray, tag: int):
+    """The list payloads of Features ``[start, stop)`` that hold one list field ``tag``."""
+    list_start, list_stop = length_delimited(buf, start, stop, tag)
+    if (list_stop != stop).any():
+        raise Unusual("a Feature with more than one list")
+    return list_start, list_stop
+
+
+def _packed(buf, list_start: np.ndarray, list_stop: np.ndarray, floats: bool):
+    """The non-empty numeric lists (their indices) and their packed payloads ``(start,
+    stop)``: one packed field each, floats a multiple of 4 bytes."""
+    some = np.flatnonzero(list_stop > list_start)
+    start, stop = length_delimited(buf, list_start[some], list_stop[some], 0x0A)
+    if (stop != list_stop[some]).any():
+        raise Unusual("a value list with more than its packed values")
+    if floats and ((stop - start) % 4).any():
+        raise Unusual("packed floats of a length not a multiple of 4")
+    return some, start, stop
 
 
 def _values(batch: _Batch, spec, entries: np.ndarray):
@@ -140,10 +159,8 @@ def _values(batch: _Batch, spec, entries: np.ndarray):
             return raw.view("<f4").reshape(-1).astype(np.float32), (stop - start) // 4
         if spec.dtype == "int64":
             return _int64s(batch, spec, start, stop)
-    list_start, list_stop = length_delimited(buf, batch.value_start[entries],
-                                             batch.value_stop[entries], _TAGS[spec.kind])
-    if (list_stop != batch.value_stop[entries]).any():
-        raise Unusual("a Feature with more than one list")
+    list_start, list_stop = _lists(buf, batch.value_start[entries], batch.value_stop[entries],
+                                   _TAGS[spec.kind])
     counts = np.zeros(len(entries), np.int64)
     if spec.dtype == "string":
         owner, start, stop = repeated_fields(buf, list_start, list_stop, 0x0A)
@@ -152,13 +169,8 @@ def _values(batch: _Batch, spec, entries: np.ndarray):
         data = batch.data
         values[:] = [data[a:b] for a, b in zip(start.tolist(), stop.tolist())]
         return values, counts
-    some = np.flatnonzero(list_stop > list_start)
-    start, stop = length_delimited(buf, list_start[some], list_stop[some], 0x0A)  # packed
-    if (stop != list_stop[some]).any():
-        raise Unusual("a value list with more than its packed values")
+    some, start, stop = _packed(buf, list_start, list_stop, spec.dtype == "float32")
     if spec.dtype == "float32":
-        if ((stop - start) % 4).any():
-            raise Unusual("packed floats of a length not a multiple of 4")
         counts[some] = (stop - start) // 4
         raw = spans_bytes(batch.data, start, stop)
         return np.frombuffer(raw, "<f4").astype(np.float32), counts
@@ -191,22 +203,29 @@ def _check_unasked(batch: _Batch, entries: np.ndarray) -> None:
         mine = np.flatnonzero(tags == tag)
         if not len(mine):
             continue
-        list_start, list_stop = length_delimited(buf, start[mine], stop[mine], tag)
-        if (list_stop != stop[mine]).any():
-            raise Unusual("a Feature with more than one list")
+        list_start, list_stop = _lists(buf, start[mine], stop[mine], tag)
         if tag == 0x0A:
             repeated_fields(buf, list_start, list_stop, 0x0A)
             continue
-        full = list_stop > list_start
-        first, last = length_delimited(buf, list_start[full], list_stop[full], 0x0A)
-        if (last != list_stop[full]).any():
-            raise Unusual("a value list with more than its packed values")
-        if tag == 0x12 and ((last - first) % 4).any():
-            raise Unusual("packed floats of a length not a multiple of 4")
+        _, first, last = _packed(buf, list_start, list_stop, tag == 0x12)
         if tag == 0x1A and (buf[last[last > first] - 1] >= 0x80).any():
             raise Unusual("a packed varint cut by the end of its field")
     if len(tags) and not np.isin(tags, (0x0A, 0x12, 0x1A)).all():
         raise Unusual("a Feature of another field")
+
+
+def ragged_positions(lengths: np.ndarray):
+    """For rows of ``lengths`` values each, laid end to end: each value's row and its
+    position within its row (the indices of a sparse value).
+
+        >>> [a.tolist() for a in ragged_positions(np.array([2, 0, 1]))]
+        [[0, 0, 2], [0, 1, 0]]
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    rows = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    positions = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(
+        np.cumsum(lengths) - lengths, lengths)
+    return rows, positions
 
 
 def _default(spec) -> np.ndarray:
@@ -242,9 +261,7 @@ def _parse(records: List[bytes], specs) -> Dict[str, Any]:
             continue
         lengths = np.zeros(batch.count, np.int64)
         lengths[present] = counts
-        rows = np.repeat(np.arange(batch.count, dtype=np.int64), lengths)
-        positions = np.arange(len(values), dtype=np.int64) - np.repeat(
-            np.cumsum(lengths) - lengths, lengths)
+        rows, positions = ragged_positions(lengths)
         out[spec.name] = SparseTensorValue(
             np.stack([rows, positions], axis=1).reshape(-1, 2), values,
             np.array([batch.count, int(lengths.max())], dtype=np.int64))

@@ -37,6 +37,7 @@ import numpy as np
 
 from mpistrat.errors import DataLossError, InvalidArgumentError
 from mpistrat.io import example as ex
+from mpistrat.io.example_batch import ragged_positions
 from mpistrat.tfformats import messages
 from mpistrat.tfformats.wire import WireError, read_varint, varint
 
@@ -134,14 +135,13 @@ def _sparse(steps_per_example: List[List[Any]], spec, batch: bool) -> ex.SparseT
     flat = [piece for steps in steps_per_example for piece in steps]
     counts = np.array([ex._count(p, spec) for p in flat], dtype=np.int64)
     values = ex._array(flat, spec) if flat else np.zeros(0, spec.numpy)
-    example = np.repeat(np.arange(len(steps_per_example)), [len(s) for s in steps_per_example])
-    step = np.concatenate([np.arange(len(s)) for s in steps_per_example] or [[]]).astype(int)
-    position = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    columns = [np.repeat(step, counts), position]
+    example, step = ragged_positions([len(s) for s in steps_per_example])   # per step
+    of_step, position = ragged_positions(counts)                           # per value
+    columns = [step[of_step], position]
     longest = max([len(s) for s in steps_per_example] or [0])
     shape = [longest, int(counts.max()) if len(counts) else 0]
     if batch:
-        columns.insert(0, np.repeat(example, counts))
+        columns.insert(0, example[of_step])
         shape.insert(0, len(steps_per_example))
     indices = np.stack(columns, axis=1).astype(np.int64).reshape(-1, len(columns))
     return ex.SparseTensorValue(indices, values, np.array(shape, dtype=np.int64))

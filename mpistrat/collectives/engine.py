@@ -20,6 +20,9 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 from mpi4py import MPI
 
+from mpistrat.collectives.allreduce_ops import (ALL_REDUCE_WHAT, FOLD_SCALARS, AllReduceCall,
+                                                ByKind, HostOp, PlainCall, ProbeFold,
+                                                Reproducible)
 from mpistrat.collectives.backends import select_backend
 from mpistrat.collectives.buffer_pool import default_cap
 from mpistrat.collectives.deadline import Deadline, wait_all
@@ -28,18 +31,15 @@ from mpistrat.collectives.host_callbacks import TRACED, settle
 from mpistrat.collectives.into import out_lists, out_problem, place_of
 from mpistrat.collectives.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.collectives.reduce_op import ReduceOp
-from mpistrat.collectives.reproducible import deterministic_default, exact_sum
-from mpistrat.collectives.small_reductions import (ALL_REDUCE_WHAT, EXACT, FOLD_SCALARS,
-                                                   SmallReductions)
+from mpistrat.collectives.reproducible import deterministic_default
 from mpistrat.collectives.structure import flatten, signature_of
-from mpistrat.collectives.topology import comm_topology
-from mpistrat.collectives.validation import (FOLDABLE, PAYLOAD_SLOTS, Probe, agree, start_agree,
+from mpistrat.collectives.validation import (PAYLOAD_SLOTS, agree, start_agree,
                                              validation_enabled)
 from mpistrat.errors import AbortedError, DeadlineExceededError, InvalidArgumentError
 from mpistrat.runtime import settings
 from mpistrat.runtime import timeline
 from mpistrat.runtime.allocator import keep_freed_memory
-from mpistrat.runtime.devices import Capabilities, array_kind, capabilities, from_host, to_host
+from mpistrat.runtime.devices import Capabilities, array_kind
 
 __all__ = ["CollectiveEngine", "default_timeout"]
 
@@ -78,11 +78,15 @@ def _dtype_key(array) -> str:
 
 _NDARRAY_ONLY = {np.ndarray}
 _ENGINES = [0]  # engines made so far: ids that match across ranks (made in the same order)
+_UNKNOWN = object()   # a prepared call not looked for yet
+_MAX_PREPARED = 256   # prepared calls an engine keeps (by op, type, dtype and shape)
 
 
-class CollectiveEngine(SmallReductions):
+class CollectiveEngine:
     """Collectives over one communicator: ``all_reduce``, ``all_gather``, ``broadcast``.
 
+    ``all_reduce`` runs the first op of one ordered table that takes the call
+    (``collectives/allreduce_ops.py``); the op's path is part of what the ranks agree on.
     After a collective times out the ranks are out of step; the engine then
     refuses every further call with ``AbortedError`` instead of hanging.
     """
@@ -100,19 +104,19 @@ class CollectiveEngine(SmallReductions):
         self._calls = 0
         self.deterministic = deterministic_default()  # MPISTRAT_DETERMINISTIC, read once
         self._id = _ENGINES[0] = _ENGINES[0] + 1
-        self._backend_name = ""
-        self._probe = Probe(comm)
-        # the small reductions' timeout (options give none for them): the long path's
-        self._fold_timeout = self.options.timeout_seconds \
-            if self.options.timeout_seconds is not None else self.default_timeout
-        self._folds_plain = self._folds()  # (its inputs are read once, above)
-        self._scalar_probes: Dict[tuple, tuple] = {}  # reduce_scalar's probes, by op and type
-        self._flag_probes: Dict[int, tuple] = {}      # count_ranks' probes, by flag count
-        self._small_probes: Dict[tuple, tuple] = {}   # small arrays', by op, dtype, shape
-        self._plain_ok = self._unvalidated_plain()     # validation off: scalars' own call
-        self._plain_scalars: Dict[tuple, tuple] = {}  # their buffers, by op and type
-        self._plain_arrays: Dict[tuple, tuple] = {}   # small arrays' ops, by op and dtype
-        self._exact_guesses: Dict[tuple, tuple] = {}  # reproducible sums' exponents, guessed
+        timeout = self.options.timeout_seconds if self.options.timeout_seconds is not None \
+            else self.default_timeout
+        several = self.size > 1
+        self._reproducible = Reproducible(comm, _HOST_BACKEND, self.deterministic)
+        self._by_kind = ByKind(comm, _HOST_BACKEND)
+        # the all-reduce's ops, in the order they are asked (allreduce_ops.py)
+        self.ops = (self._reproducible,
+                    ProbeFold(comm, self.validate and several, timeout),
+                    PlainCall(comm, not self.validate and several and not self.deterministic
+                              and timeout is None),
+                    HostOp(comm, _HOST_BACKEND, self.options),
+                    self._by_kind)
+        self._prepared: Dict[tuple, Any] = {}   # reduce_scalar's prepared calls
 
     # -- the common prologue -------------------------------------------------
     def _prologue(self, what: str, options: Optional[CommunicationOptions]):
@@ -126,15 +130,19 @@ class CollectiveEngine(SmallReductions):
             settle()   # (host_callbacks.py)
         return opts, timeout, Deadline.after(timeout)
 
-    def _begin(self, what: str, signature: tuple, options: Optional[CommunicationOptions]):
+    def _begin(self, what: str, signature: tuple, options: Optional[CommunicationOptions],
+               path: str = ""):
         opts, timeout, deadline = self._prologue(what, options)
+        self._trace_call(what, signature, timeout)
+        if self.validate and self.size > 1:
+            self._guard(agree, self.comm, what, signature, deadline, path)
+        return opts, deadline
+
+    def _trace_call(self, what: str, signature: tuple, timeout) -> None:
         if self._trace:
             total = sum(int(np.prod(shape, dtype=np.int64)) for _, shape in signature)
             log.debug("#%d %s: %d tensors, %d elements, timeout=%s", self._calls, what,
                       len(signature), total, timeout)
-        if self.validate and self.size > 1:
-            self._guard(agree, self.comm, what, signature, deadline)
-        return opts, deadline
 
     def _guard(self, fn, *args):
         try:
@@ -145,30 +153,21 @@ class CollectiveEngine(SmallReductions):
 
     def _run(self, what, arrays, opts, call):
         """Group ``arrays`` by kind, run ``call(backend, indices)`` per group."""
-        if all(type(a) is np.ndarray for a in arrays):  # the common case: one host group
-            if timeline.ON:
-                self._backend_name = _HOST_BACKEND.name
-            if self._trace:
-                log.debug("#%d %s: %d numpy tensors via %s", self._calls, what, len(arrays),
-                          _HOST_BACKEND.name)
-            return self._guard(call, _HOST_BACKEND, range(len(arrays)))
         results: List = [None] * len(arrays)
-        groups: Dict[str, List[int]] = {}
-        for index, array in enumerate(arrays):
-            groups.setdefault(array_kind(array), []).append(index)
-        for kind, indices in groups.items():
-            backend = _HOST_BACKEND if kind == "numpy" else select_backend(
-                kind, opts.implementation, capabilities(), comm_topology(self.comm))
-            if timeline.ON:
-                self._backend_name = backend.name
+        for backend, indices in self._backends(arrays, opts):
             if self._trace:
-                log.debug("#%d %s: %d %s tensors via %s", self._calls, what, len(indices), kind,
-                          backend.name)
+                log.debug("#%d %s: %d %s tensors via %s", self._calls, what, len(indices),
+                          array_kind(arrays[indices[0]]), backend.name)
             for index, result in zip(indices, self._guard(call, backend, indices)):
                 results[index] = result
         return results
 
-    # -- collectives ---------------------------------------------------------
+    def _backends(self, arrays, opts):
+        if all(type(a) is np.ndarray for a in arrays):  # the common case: one host group
+            return [(_HOST_BACKEND, range(len(arrays)))]
+        return self._by_kind.backends(arrays, opts)
+
+    # -- the all-reduce: one table of ops ------------------------------------
     def all_reduce(self, value: Any, op, options: Optional[CommunicationOptions] = None,
                    out: Any = None) -> Any:
         """Combine ``value`` (a nest of arrays) element-wise over all ranks.
@@ -177,77 +176,136 @@ class CollectiveEngine(SmallReductions):
         ``MPISTRAT_DETERMINISTIC=1``) SUM and MEAN are bitwise reproducible
         (``collectives/reproducible.py``). ``out`` (NumPy arrays: one, or a list or
         tuple matching ``value``) receives the results, which are returned; ``out=value``
-        reduces in place (``collectives/into.py``)::
+        reduces in place (``collectives/into.py``); a bad ``out`` on any rank raises on
+        every rank (its text, or where ``out`` lies, is part of what the ranks agree on)::
 
             grads = engine.all_reduce(grads, "SUM", out=grads)   # the caller's buffers
         """
-        if out is not None:
-            return self._all_reduce_into(value, ReduceOp.from_any(op), options, out)
+        kind = type(value)
+        if options is None and out is None and (kind is float or kind in FOLD_SCALARS):
+            total = self.reduce_scalar(op, value)  # a prepared call (None: the table's)
+            if total is not None:
+                return np.asarray(total)
         start = timeline.begin(value) if timeline.ON else None
         op = ReduceOp.from_any(op)
-        kind = type(value)
-        if options is None and (kind is float or kind in FOLD_SCALARS):
-            total = self.reduce_scalar(op, value)  # validated and summed in one call
-            if total is not None:                  # (None with the timeline on: below)
-                return np.asarray(total)
         flat = (kind is list or kind is tuple) and set(map(type, value)) <= _NDARRAY_ONLY
-        if flat:  # a plain list or tuple of NumPy arrays: no flattening, no conversion
-            arrays, rebuild = value, None
+        outs = None
+        if out is not None:
+            problem = out_problem(value, out)
+            what = f"{ALL_REDUCE_WHAT[op]} into out ({problem or place_of(value, out)})"
+            if problem is not None:   # raised on every rank (agree names each rank's text)
+                if self.validate and self.size > 1:
+                    self._begin(what, (), options, "refused")
+                raise InvalidArgumentError(what)
+            arrays, outs = out_lists(value, out)
+        elif flat:  # a plain list or tuple of NumPy arrays: no flattening, no conversion
+            arrays, what = value, ALL_REDUCE_WHAT[op]
         else:      # any nest or JAX pytree (collectives/structure.py)
             leaves, rebuild = flatten(value)
-            arrays = [_as_array(v) for v in leaves]
-        if op in EXACT and self.is_deterministic(options):
-            results = self._exact(arrays, op, None, options, value)[0]
-        else:
-            what = ALL_REDUCE_WHAT[op]
-            signature = signature_of(arrays)
-            if len(arrays) == 1 and op in EXACT and arrays[0].size <= PAYLOAD_SLOTS and \
-                    arrays[0].dtype in FOLDABLE and self._folds(options):
-                results = [self._fold_small(op, arrays[0], signature, options)]
-            else:
-                opts, deadline = self._begin(what, signature, options)
-                refuse(what, arrays, op, value)
-                if flat:
-                    if timeline.ON:
-                        self._backend_name = _HOST_BACKEND.name
-                    results = self._guard(_HOST_BACKEND.all_reduce, self.comm, arrays, op,
-                                          opts, deadline, signature)
-                else:
-                    results = self._run(what, arrays, opts, lambda backend, idx: backend.all_reduce(
-                        self.comm, [arrays[i] for i in idx], op, opts, deadline))
+            arrays, what = [_as_array(v) for v in leaves], ALL_REDUCE_WHAT[op]
+        call = AllReduceCall(op, arrays, signature_of(arrays), options, self.options, outs, what)
+        results, chosen = self._dispatch(call, value)
         if start is not None:
-            self._record(ALL_REDUCE_WHAT[op], start, arrays)
+            self._record(ALL_REDUCE_WHAT[op], start, arrays, self._label(chosen, call))
+        if out is not None:
+            return out
         if flat:
             return results if kind is list else tuple(results)
         return rebuild(results)
 
-    def _all_reduce_into(self, value: Any, op: ReduceOp, options, out: Any) -> Any:
-        """``all_reduce`` into ``out``: a bad ``out`` on any rank raises on every rank (its
-        text, or where ``out`` lies, is part of what the ranks agree on), before anything
-        travels; with validation off (``MPISTRAT_VALIDATE=0``) only on the rank that has it."""
-        start = timeline.begin(value) if timeline.ON else None
-        problem = out_problem(value, out)
-        what = f"{ALL_REDUCE_WHAT[op]} into out ({problem or place_of(value, out)})"
-        if problem is not None and not (self.validate and self.size > 1):
-            raise InvalidArgumentError(what)
-        arrays, outs = out_lists(value, out) if problem is None else ([], [])
-        if op in EXACT and self.is_deterministic(options) and problem is None:
-            results = self._exact(arrays, op, None, options, value)[0]
-            for target, result in zip(outs, results):
+    def _dispatch(self, call: AllReduceCall, value: Any):
+        """The prologue once (refusal when broken, merged options, deadline, trace), the
+        first enabled op, the agreement on the call and that op's path, the op's run:
+        ``(results, op)``; results land in ``call.outs`` where given."""
+        call.opts, timeout, call.deadline = self._prologue(call.what, call.options)
+        chosen = self._choose(call)
+        self._trace_call(call.what, call.signature, timeout)
+        if self._trace:
+            log.debug("#%d %s: %d %s tensors via %s", self._calls, call.what,
+                      len(call.arrays), _kinds(call.arrays), chosen.name)
+        if self.validate and self.size > 1 and not chosen.validates:
+            self._guard(agree, self.comm, call.what, call.signature, call.deadline,
+                        chosen.path(call))
+        refuse(call.what, call.arrays, call.op, value)
+        results = self._guard(chosen.run, call)
+        if call.outs is not None and not chosen.writes_out:
+            for target, result in zip(call.outs, results):
                 np.copyto(target, result)
-        else:
-            signature = signature_of(arrays)
-            opts, deadline = self._begin(what, signature, options)
-            if problem is not None:   # every rank saw the same problem (or agree raised)
-                raise InvalidArgumentError(what)
-            refuse(what, arrays, op, value)
-            if timeline.ON:
-                self._backend_name = _HOST_BACKEND.name
-            self._guard(_HOST_BACKEND.all_reduce, self.comm, arrays, op, opts, deadline,
-                        signature, outs)
-        if start is not None:
-            self._record(ALL_REDUCE_WHAT[op], start, arrays)
-        return out
+        return results, chosen
+
+    def path_of(self, value: Any, op, options: Optional[CommunicationOptions] = None) -> str:
+        """The path ``all_reduce(value, op, options)`` takes on this rank (its op and the
+        settings that steer it): what the ranks agree on besides the signature::
+
+            >>> engine.path_of(1.0, "SUM")                             # doctest: +SKIP
+            'validation-probe'
+        """
+        leaves, _ = flatten(value)
+        arrays = [_as_array(v) for v in leaves]
+        call = AllReduceCall(ReduceOp.from_any(op), arrays, signature_of(arrays), options,
+                             self.options.merge(options))
+        return self._choose(call).path(call)
+
+    def _choose(self, call: AllReduceCall):
+        for candidate in self.ops:
+            if candidate.enabled(call):
+                return candidate
+        raise InvalidArgumentError(f"{call.what}: no way to run it for "
+                                   f"{_kinds(call.arrays)} arrays with these options")
+
+    def reduce_scalar(self, op, value) -> Any:
+        """``all_reduce`` of one value by a call prepared for its op, type, dtype and shape
+        (``allreduce_ops``: buffers and hash made once; a small SUM or MEAN rides in the
+        validation probe, one collective), or ``None`` where the table's op for it prepares
+        nothing (then ``all_reduce`` takes it): the scalar hot path of ``Strategy.reduce`` for
+        a Python float (a ``float64`` result), a NumPy scalar (one of its type), a NumPy
+        array of at least one dimension or a JAX array of at most 10 values. Also ``None``
+        with the timeline or the trace on, whose records ``all_reduce`` makes::
+
+            >>> engine.reduce_scalar("SUM", np.float32(1.5))          # doctest: +SKIP
+            np.float32(3.0)                                            # on 2 ranks
+        """
+        kind = type(value)
+        try:
+            key = (op, kind) if kind is float or kind in FOLD_SCALARS else \
+                (op, kind, getattr(value, "dtype", None), getattr(value, "shape", None))
+            prepared = self._prepared.get(key, _UNKNOWN)
+        except TypeError:   # (an unhashable op: the long path names it)
+            return None
+        if prepared is _UNKNOWN:
+            prepared = self._prepare(op, value)
+            if len(self._prepared) < _MAX_PREPARED:
+                self._prepared[key] = prepared
+        if prepared is None or timeline.ON or self._broken or self._trace:
+            return None
+        self._calls += 1
+        if TRACED[0]:   # host callbacks' collectives first (host_callbacks.py)
+            settle()
+        return self._guard(prepared, value)   # (a timeout breaks the engine)
+
+    def _prepare(self, op, value) -> Optional[Callable[[Any], Any]]:
+        """The chosen op's prepared call for values like ``value`` (options None), if any."""
+        try:
+            exact = ReduceOp.from_any(op)
+        except ValueError:
+            return None
+        if type(value) is not float and not hasattr(value, "dtype"):
+            return None
+        array = _as_array(value)
+        if array.size > PAYLOAD_SLOTS:   # (no op prepares more: spare the table's look)
+            return None
+        call = AllReduceCall(exact, [array], signature_of([array]), None, self.options)
+        chosen = self._choose(call)
+        prepare = getattr(chosen, "prepare", None)
+        return prepare(call, value) if prepare is not None else None
+
+    def count_ranks(self, flags) -> Any:
+        """How many ranks raise each of a few flags: the float64 SUM of ``flags`` over ranks
+        (one collective, inside the validation probe where it is on): the per-step lockstep
+        of distributed datasets."""
+        values = np.array(flags, np.float64)
+        counts = self.reduce_scalar(ReduceOp.SUM, values)
+        return counts if counts is not None else self.all_reduce(values, ReduceOp.SUM)
 
     def is_deterministic(self, options: Optional[CommunicationOptions] = None) -> bool:
         """Whether SUM and MEAN take the reproducible path for these per-call options."""
@@ -261,35 +319,29 @@ class CollectiveEngine(SmallReductions):
         keep each array's dtype and kind."""
         start = timeline.begin(arrays) if timeline.ON else None
         arrays = [_as_array(a) for a in arrays]
-        out = self._exact(arrays, ReduceOp.from_any(op), axis, options, arrays)
-        if start is not None:
-            self._record(f"exact sum axis={axis}", start, arrays)
-        return out
-
-    def _exact(self, arrays, op, axis, options, value):
+        op = ReduceOp.from_any(op)
         what = f"deterministic {ALL_REDUCE_WHAT[op]} axis={axis}"
         signature = tuple((dtype_code(a.dtype), tuple(
             -1 if axis is not None and d == axis % a.ndim else n for d, n in enumerate(a.shape)))
             for a in arrays)
-        opts, deadline = self._begin(what, signature, options)
-        refuse(what, arrays, op, value)
-        kinds = {array_kind(a) for a in arrays}
-        hosts = [to_host(a) if array_kind(a) != "numpy" else a for a in arrays]
+        opts, deadline = self._begin(what, signature, options, Reproducible.name)
+        refuse(what, arrays, op, arrays)
+        out = self._guard(self._reproducible.sum, arrays, op, axis, opts, deadline)
+        if start is not None:
+            self._record(f"exact sum axis={axis}", start, arrays, Reproducible.name)
+        return out
 
-        def sum_across(wires):
-            return self._run(what, wires, opts, lambda backend, idx: backend.all_reduce(
-                self.comm, [wires[i] for i in idx], ReduceOp.SUM, opts, deadline))
+    def _label(self, chosen, call: AllReduceCall) -> str:
+        """The timeline's name for how a call ran: the op, or the backends of each kind."""
+        return chosen.name if chosen is not self._by_kind else \
+            self._label_of(call.arrays, call.opts)
 
-        sums, counts = self._guard(exact_sum, self.comm, hosts, axis, sum_across, deadline,
-                                   op is ReduceOp.MEAN, self._exact_guesses)
-        if kinds != {"numpy"}:
-            sums = [from_host(s, a) if array_kind(a) != "numpy" else s
-                    for s, a in zip(sums, arrays)]
-        return sums, counts
+    def _label_of(self, arrays, opts) -> str:
+        return "+".join(backend.name for backend, _ in self._backends(arrays, opts))
 
-    def _record(self, what: str, start: float, arrays) -> None:
+    def _record(self, what: str, start: float, arrays, backend: str) -> None:
         timeline.end(what, start, sum(getattr(a, "nbytes", 0) for a in arrays),
-                     {"engine": self._id, "seq": self._calls, "backend": self._backend_name,
+                     {"engine": self._id, "seq": self._calls, "backend": backend,
                       "tensors": len(arrays), "ranks": self.size})
 
     def all_gather(self, value: Any, axis: int = 0,
@@ -322,7 +374,7 @@ class CollectiveEngine(SmallReductions):
             self.comm, [arrays[i] for i in idx], [counts[i] for i in idx],
             _axis_or_none(axis, arrays[idx[0]].ndim), deadline))
         if start is not None:
-            self._record(what, start, results)
+            self._record(what, start, results, self._label_of(arrays, opts))
         return rebuild(results)
 
     def _gather_counts(self, what, arrays, axis, deadline) -> List[List[int]]:
@@ -347,7 +399,7 @@ class CollectiveEngine(SmallReductions):
         results = self._run(what, arrays, opts, lambda backend, idx: backend.broadcast(
             self.comm, [arrays[i] for i in idx], root, deadline))
         if start is not None:
-            self._record(what, start, arrays)
+            self._record(what, start, arrays, self._label_of(arrays, opts))
         return rebuild(results)
 
     def agree(self, what: str, signature: tuple,
@@ -381,6 +433,10 @@ class CollectiveEngine(SmallReductions):
         """Wait until every rank has arrived (honours the timeout)."""
         _, deadline = self._begin("barrier", (), options)
         self._guard(wait_all, [self.comm.Ibarrier()], deadline, "barrier")
+
+
+def _kinds(arrays) -> str:
+    return "/".join(sorted({array_kind(a) for a in arrays})) or "no"
 
 
 def _nothing() -> None:

@@ -1,7 +1,8 @@
 """Before a collective, ranks agree on what they are about to combine.
 
 Each rank reduces its *signature* (kind of collective, op, dtype and shape
-of every tensor) to a 64-bit hash, cached per signature, and one tiny
+of every tensor) and the *path* it chose to run it (``allreduce_ops``: the op
+and the settings that steer it) to a 64-bit hash, cached per signature, and one tiny
 ``Iallreduce`` tells every rank whether all hashes are equal: 16 doubles
 summed, six of which carry three 16-bit pieces of the hash and their squares
 (equal sums of pieces and of squares mean every rank sent the same pieces).
@@ -113,15 +114,17 @@ def describe_mismatch(what: str, signatures: Sequence[Signature]) -> str:
 
 
 def agree(comm: MPI.Comm, what: str, signature: Signature,
-          deadline: Optional[Deadline]) -> None:
+          deadline: Optional[Deadline], path: str = "") -> None:
     """Raise ``InvalidArgumentError`` on every rank unless all ranks pass the same signature.
 
     The probe is always a non-blocking ``Iallreduce`` (MPI never matches a
     blocking collective with a non-blocking one), and the hash includes
     whether the collective that follows is timed: timed collectives use the
-    non-blocking calls, untimed ones the blocking calls, so ranks must agree.
+    non-blocking calls, untimed ones the blocking calls, so ranks must agree. ``path``
+    names how the collective will run (the dispatcher's op); ranks that chose different
+    paths would pair different MPI calls, so they raise too, naming each rank's path.
     """
-    start_agree(comm, what, signature, deadline)()
+    start_agree(comm, what, signature, deadline, path)()
 
 
 # The probe: PROBE_SLOTS doubles summed across ranks. The last six carry three 16-bit
@@ -134,14 +137,15 @@ PAYLOAD_SLOTS = PROBE_SLOTS - 6
 _TEMPLATES: Dict[tuple, Tuple[array, array]] = {}
 
 
-def _template(what: str, signature: Signature, timed: bool, size: int) -> Tuple[array, array]:
+def _template(what: str, signature: Signature, timed: bool, size: int,
+              path: str = "") -> Tuple[array, array]:
     """(the probe with zero payload, the hash slots every rank expects back), cached."""
-    key = (what, signature, timed, size)
+    key = (what, signature, timed, size, path)
     entry = _TEMPLATES.get(key)
     if entry is None:
         if len(_TEMPLATES) > 4096:
             _TEMPLATES.clear()
-        h = _hash((what, _plain(signature), timed))  # the same whichever dtype form
+        h = _hash((what, _plain(signature), timed, path))  # the same whichever dtype form
         parts = [(h >> shift) & 0xFFFF for shift in (0, 16, 32)]
         slots = [float(v) for p in parts for v in (p, p * p)]
         entry = (array("d", [0.0] * PAYLOAD_SLOTS + slots), array("d", [size * v for v in slots]))
@@ -150,11 +154,11 @@ def _template(what: str, signature: Signature, timed: bool, size: int) -> Tuple[
 
 
 def start_agree(comm: MPI.Comm, what: str, signature: Signature,
-                deadline: Optional[Deadline]) -> Callable[[], None]:
+                deadline: Optional[Deadline], path: str = "") -> Callable[[], None]:
     """``agree`` in two halves: post the probe now, and return the function that
     waits for it (and raises on a mismatch), so the caller can work meanwhile."""
     timed = deadline is not None
-    template, expected = _template(what, signature, timed, comm.Get_size())
+    template, expected = _template(what, signature, timed, comm.Get_size(), path)
     probe = array("d", template)
     result = array("d", template)
     request = comm.Iallreduce(probe, result, MPI.SUM)
@@ -165,7 +169,7 @@ def start_agree(comm: MPI.Comm, what: str, signature: Signature,
         else:
             wait_all([request], deadline, f"{what} (validation)")
         if result[PAYLOAD_SLOTS:] != expected:
-            _raise_mismatch(comm, what, signature, timed)
+            _raise_mismatch(comm, what, signature, timed, path)
 
     return finish
 
@@ -182,11 +186,11 @@ class Probe:
         self.recv_values = np.frombuffer(self.recv, dtype=np.float64)
 
     def sum_with(self, what: str, signature: Signature, deadline: Optional[Deadline],
-                 values: np.ndarray) -> np.ndarray:
+                 values: np.ndarray, path: str = "") -> np.ndarray:
         """Validate and SUM up to ``PAYLOAD_SLOTS`` float64 values in one collective.
 
         Returns a view of the sums (valid until the next call)."""
-        template, expected = _template(what, signature, deadline is not None, self.size)
+        template, expected = _template(what, signature, deadline is not None, self.size, path)
         send = self.send
         send[:] = template
         count = values.size
@@ -197,17 +201,18 @@ class Probe:
         else:
             wait_all([request], deadline, f"{what} (validation)")
         if self.recv[PAYLOAD_SLOTS:] != expected:
-            _raise_mismatch(self.comm, what, signature, deadline is not None)
+            _raise_mismatch(self.comm, what, signature, deadline is not None, path)
         return self.recv_values[:count]
 
-    def ready(self, what: str, signature: Signature, timed: bool = False) -> Tuple[array, array]:
-        """A probe of ``what`` and ``signature`` to pass to ``sum_ready``, and the hash slots
-        every rank expects back; ``timed``: it will be waited for with a deadline (the hash
-        says so, as the long path's does)."""
-        template, expected = _template(what, signature, timed, self.size)
-        return array("d", template), expected
+    def ready(self, what: str, signature: Signature, timed: bool = False,
+              path: str = "") -> Tuple[array, array, str]:
+        """A probe of ``what``, ``signature`` and ``path`` to pass to ``sum_ready``, the hash
+        slots every rank expects back, and the path; ``timed``: it will be waited for with a
+        deadline (the hash says so, as the long path's does)."""
+        template, expected = _template(what, signature, timed, self.size, path)
+        return array("d", template), expected, path
 
-    def sum_values(self, ready: Tuple[array, array], what: str, signature: Signature,
+    def sum_values(self, ready: Tuple[array, array, str], what: str, signature: Signature,
                    values: Sequence[float], deadline: Optional[Deadline] = None) -> array:
         """``sum_ready`` for a few values (at most ``PAYLOAD_SLOTS``): their sums (a copy)."""
         send, _ = ready
@@ -215,18 +220,18 @@ class Probe:
             send[index] = value
         return self.exchange(ready, what, signature, deadline)[:len(values)]
 
-    def sum_ready(self, ready: Tuple[array, array], what: str, signature: Signature,
+    def sum_ready(self, ready: Tuple[array, array, str], what: str, signature: Signature,
                   value: float, deadline: Optional[Deadline] = None) -> float:
         """The SUM over ranks of one float in a ``ready`` probe, validated (one collective)."""
         ready[0][0] = value
         return self.exchange(ready, what, signature, deadline)[0]
 
-    def exchange(self, ready: Tuple[array, array], what: str, signature: Signature,
+    def exchange(self, ready: Tuple[array, array, str], what: str, signature: Signature,
                  deadline: Optional[Deadline] = None) -> array:
         """One ``Iallreduce`` of a ``ready`` probe (waited for within ``deadline``, made
         ``timed`` then); the received probe, its hash slots checked (a mismatch raises on
         every rank, naming what each rank called)."""
-        send, expected = ready
+        send, expected, path = ready
         recv = self.recv
         request = self.comm.Iallreduce(send, recv, MPI.SUM)
         if deadline is None:
@@ -234,7 +239,7 @@ class Probe:
         else:
             wait_all([request], deadline, f"{what} (validation)")
         if recv[PAYLOAD_SLOTS:] != expected:
-            _raise_mismatch(self.comm, what, signature, deadline is not None)
+            _raise_mismatch(self.comm, what, signature, deadline is not None, path)
         return recv
 
 
@@ -263,15 +268,22 @@ def _plain(signature) -> Signature:
     return tuple((d if isinstance(d, str) else dtype_code(d), tuple(s)) for d, s in signature)
 
 
-def _raise_mismatch(comm: MPI.Comm, what: str, signature: Signature, timed: bool) -> None:
-    everyone = comm.allgather((what, _plain(signature), timed))  # metadata, error path only
-    kinds = {w for w, _, _ in everyone}
+def _raise_mismatch(comm: MPI.Comm, what: str, signature: Signature, timed: bool,
+                    path: str = "") -> None:
+    everyone = comm.allgather((what, _plain(signature), timed, path))  # error path only
+    kinds = {w for w, _, _, _ in everyone}
     if len(kinds) > 1:
-        names = "; ".join(f"rank {r} calls {w}" for r, (w, _, _) in enumerate(everyone))
+        names = "; ".join(f"rank {r} calls {w}" for r, (w, _, _, _) in enumerate(everyone))
         raise InvalidArgumentError(f"ranks are in different collectives: {names}")
-    if len({t for _, _, t in everyone}) > 1:
-        timed_ranks = [r for r, (_, _, t) in enumerate(everyone) if t]
+    if len({t for _, _, t, _ in everyone}) > 1:
+        timed_ranks = [r for r, (_, _, t, _) in enumerate(everyone) if t]
         raise InvalidArgumentError(
             f"{what}: only {format_ranks(timed_ranks)} set a collective timeout; give every "
             f"rank the same CommunicationOptions.timeout_seconds / MPISTRAT_COLLECTIVE_TIMEOUT")
-    raise InvalidArgumentError(describe_mismatch(what, [sig for _, sig, _ in everyone]))
+    if len({s for _, s, _, _ in everyone}) > 1:
+        raise InvalidArgumentError(describe_mismatch(what, [sig for _, sig, _, _ in everyone]))
+    names = "; ".join(f"rank {r} calls {what} via {p or 'its own path'}"
+                      for r, (_, _, _, p) in enumerate(everyone))
+    raise InvalidArgumentError(
+        f"ranks are in different collectives: {names} (give every rank the same "
+        f"CommunicationOptions and MPISTRAT_* settings)")

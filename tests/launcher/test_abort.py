@@ -92,5 +92,5 @@ def test_trace_names_each_collective_and_rank(launch):
     assert result.returncode == 0, result
     for rank in (0, 1):
         assert f"[mpistrat rank {rank}] #1 all_reduce SUM: 1 tensors, 3 elements" in result.output
-        assert f"[mpistrat rank {rank}] #1 all_reduce SUM: 1 numpy tensors via host-mpi" \
+        assert f"[mpistrat rank {rank}] #1 all_reduce SUM: 1 numpy tensors via validation-probe" \
             in result.output, result

@@ -198,6 +198,7 @@ def test_late_rank_makes_the_waiting_rank_time_out_then_engine_refuses(world, va
         from mpistrat.collectives.deadline import Deadline
         from mpistrat.collectives.validation import agree
         shape = np.shape(value)
-        agree(comm, "all_reduce SUM", ((np.dtype(np.float64).str, shape),), Deadline.after(60))
+        agree(comm, "all_reduce SUM", ((np.dtype(np.float64).str, shape),), Deadline.after(60),
+              engine.path_of(value, "SUM"))
     comm.Barrier()
     comm.Free()

@@ -41,7 +41,6 @@ from mpistrat.collectives.schedules import (FRESH, INPUT, PLACE, Step, rabenseif
                                             ring_allreduce_steps,
                                             ring_all_gather_steps, ring_reduce_scatter_steps)
 from mpistrat.partition import even_ranges
-from mpistrat.runtime import settings
 from mpistrat.runtime import timeline
 
 __all__ = ["ring_chunks", "choose_algorithm", "explain_algorithm", "allreduce", "play",
@@ -50,19 +49,18 @@ __all__ = ["ring_chunks", "choose_algorithm", "explain_algorithm", "allreduce", 
 
 ALGORITHMS = ("auto", "mpi", "ring", "hierarchical", "reduce_broadcast", "rabenseifner")
 
-# Messages of at least this many bytes use the ring (override with
-# MPISTRAT_RING_THRESHOLD; a negative value turns the ring off).
-RING_THRESHOLD_BYTES = settings.get("MPISTRAT_RING_THRESHOLD", at_import=True)
+# Messages of at least this many bytes use the ring on one node (a negative value would turn
+# it off; tests lower it): Open MPI 4.1's own Allreduce loses to it from a few MiB
+# (docs/benchmarks.md). The tuning table (MPISTRAT_TUNING, docs/tuning.md) measures instead.
+RING_THRESHOLD_BYTES = 1 << 20
 # Across nodes, buffers of at least this many bytes take the hierarchical algorithm; smaller
 # ones MPI's own: on real namespace hosts (2 x 2) hierarchical ran 0.64-0.77x raw at 64 MiB but
 # 0.95-1.19x at 16 MiB, where both send the minimum bytes (docs/benchmarks.md).
-HIERARCHICAL_THRESHOLD_BYTES = settings.get("MPISTRAT_HIERARCHICAL_THRESHOLD", at_import=True)
+HIERARCHICAL_THRESHOLD_BYTES = 32 << 20
 # A buffer combined in place (a fused bucket, a reproducible sum's grid) on one node takes the
 # ring only from this size: in place, MPI's own beat the ring from 1 to 16 MiB at 2 and 4 ranks
-# on two machines, and lost at 64 MiB (docs/tuning.md). MPISTRAT_RING_THRESHOLD set by hand
-# is the threshold for both places.
-IN_PLACE_RING_THRESHOLD_BYTES = RING_THRESHOLD_BYTES if \
-    settings.is_set("MPISTRAT_RING_THRESHOLD") else max(RING_THRESHOLD_BYTES, 32 << 20)
+# on two machines, and lost at 64 MiB (docs/tuning.md).
+IN_PLACE_RING_THRESHOLD_BYTES = 32 << 20
 _RING_TAG = 0x7269
 # The most elements one MPI message carries: MPI's counts are C ints. Larger buffers are
 # combined and broadcast in pieces of this many elements (backends/host.py); tests lower it.

@@ -11,8 +11,8 @@ is all-reduced over ``comm`` with the automatic choice (collective then, like
   writes there. Without a file nothing is measured (the test suite is not slowed).
 * ``on``: as ``auto``, and without a file the calibration runs anyway (kept in memory).
 
-``MPISTRAT_RING_THRESHOLD`` or ``MPISTRAT_HIERARCHICAL_THRESHOLD`` set by hand override
-the tuner: no table is used then. The calibration stops before a bucket that would not fit
+``CommunicationOptions(algorithm=...)`` other than ``auto`` bypasses the table for its calls.
+The calibration stops before a bucket that would not fit
 in ``MPISTRAT_TUNING_BUDGET`` seconds (2); unmeasured buckets follow the static rules.
 Each bucket is timed in both places (``tuning.PLACES``): into a buffer of its own, as a
 tensor the caller keeps is reduced, and in place, as a fused bucket or a reproducible sum's
@@ -41,7 +41,6 @@ from mpistrat.runtime import settings
 __all__ = ["table_for", "calibrate", "tune", "describe", "candidates_for", "install", "forget"]
 
 _KEYVAL = MPI.Comm.Create_keyval()  # the table, or the text saying why there is none
-_OVERRIDES = ("MPISTRAT_RING_THRESHOLD", "MPISTRAT_HIERARCHICAL_THRESHOLD")
 _DTYPES = {4: np.float32, 8: np.float64}
 
 # measure(comm, algorithm, size class, nbytes, in place) -> this rank's seconds for one call
@@ -133,13 +132,10 @@ def _decide(comm) -> Dict:
     if comm.Get_rank() == 0:
         mode = settings.get("MPISTRAT_TUNING")
         path = settings.get("MPISTRAT_TUNING_FILE")
-        overridden = [n for n in _OVERRIDES if settings.is_set(n)]
         decision = {"mode": mode, "path": path, "table": None, "warning": None,
                     "why": None, "refine": settings.get("MPISTRAT_TUNING_REFINE")}
         if mode == "off":
             decision["why"] = "MPISTRAT_TUNING=off: the static rules"
-        elif overridden:
-            decision["why"] = f"{', '.join(overridden)} set: the static rules (an override)"
         elif path is None and mode == "auto":
             decision["why"] = "MPISTRAT_TUNING_FILE unset: the static rules (docs/settings.md)"
         elif path is not None:

@@ -33,7 +33,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 from mpistrat.errors import InvalidArgumentError
 
 __all__ = ["Setting", "SettingError", "SETTINGS", "get", "problems", "unknown_names",
-           "agree", "is_set", "parse_seconds", "parse_bytes", "parse_threshold", "parse_bool"]
+           "uniform_values", "disagreements",
+           "agree", "is_set", "parse_seconds", "parse_bytes", "parse_bool", "REMOVED"]
 
 
 class SettingError(InvalidArgumentError):
@@ -66,26 +67,10 @@ def parse_bytes(text: str) -> int:
     >>> parse_bytes("64KiB"), parse_bytes("1MB"), parse_bytes("0")
     (65536, 1000000, 0)
     """
-    value = parse_threshold(text)
-    if value < 0:
+    match = _BYTES.fullmatch(text.strip().lower())
+    if not match or match.group(2) not in _UNITS or int(match.group(1)) < 0:
         raise ValueError(text)
-    return value
-
-
-def parse_threshold(text: str) -> int:
-    """A byte count (units as ``parse_bytes``), ``off``/``never``, or a negative count: -1 off.
-
-    >>> parse_threshold("1MiB"), parse_threshold("off"), parse_threshold("-5")
-    (1048576, -1, -1)
-    """
-    lowered = text.strip().lower()
-    if lowered in ("off", "never"):
-        return -1
-    match = _BYTES.fullmatch(lowered)
-    if not match or match.group(2) not in _UNITS:
-        raise ValueError(text)
-    count = int(match.group(1))
-    return -1 if count < 0 else count * _UNITS[match.group(2)]
+    return int(match.group(1)) * _UNITS[match.group(2)]
 
 
 def parse_bool(text: str) -> bool:
@@ -163,22 +148,21 @@ class Setting:
     accepted: str
     effect: str
     for_tests: bool = False   # read by tests and scripts, not by the library
+    uniform: bool = False     # every rank must have the same value (it steers MPI calls)
 
 
 _BOOL = "a boolean: 1, true, yes, on or 0, false, no, off (any case)"
 _SECONDS = "a number of seconds above 0 and finite (e.g. 600 or 2.5)"
 _BYTE_COUNT = "a byte count >= 0, optionally with a unit (e.g. 1048576, 64KiB, 1GiB, 100MB)"
-_THRESHOLD = ("a byte count >= 0, optionally with a unit (e.g. 1MiB), or off (a negative count "
-              "also means off)")
 
 SETTINGS = (
     Setting("MPISTRAT_COLLECTIVE_TIMEOUT", parse_seconds, None,
             _SECONDS + "; unset means no timeout",
             "default `timeout_seconds` of every collective; past it the waiting ranks raise "
-            "`DeadlineExceededError`"),
+            "`DeadlineExceededError`", uniform=True),
     Setting("MPISTRAT_HEALTH_CHECK", parse_bool, True, _BOOL + "; unset means on",
             "the peer health check: a rank that dies, leaves or becomes unreachable while "
-            "others wait ends the job with a named error (docs/troubleshooting.md)"),
+            "others wait ends the job with a named error (docs/troubleshooting.md)", uniform=True),
     Setting("MPISTRAT_HEALTH_TIMEOUT", parse_seconds, 10.0, _SECONDS + "; unset means 10",
             "a peer whose host has not answered TCP keepalives for this long is unreachable: "
             "the job ends"),
@@ -186,16 +170,11 @@ SETTINGS = (
             "how long a rank may stay inside a collective after a peer left the job normally "
             "before the job ends"),
     Setting("MPISTRAT_VALIDATE", parse_bool, True, _BOOL + "; unset means on",
-            "the cross-rank check of op, dtypes and shapes before each collective"),
+            "the cross-rank check of op, dtypes, shapes and path before each collective",
+            uniform=True),
     Setting("MPISTRAT_DETERMINISTIC", parse_bool, False, _BOOL + "; unset means off",
             "reproducible SUM and MEAN for every engine (as "
-            "`CommunicationOptions(deterministic=True)`)"),
-    Setting("MPISTRAT_RING_THRESHOLD", parse_threshold, 1 << 20, _THRESHOLD + "; unset means 1MiB",
-            "bytes from which the ring all-reduce is used on one node (in place: 32 MiB "
-            "unless set)"),
-    Setting("MPISTRAT_HIERARCHICAL_THRESHOLD", parse_bytes, 32 << 20,
-            _BYTE_COUNT + "; unset means 32MiB",
-            "bytes from which buffers take the hierarchical all-reduce across nodes"),
+            "`CommunicationOptions(deterministic=True)`)", uniform=True),
     Setting("MPISTRAT_TUNING", _choice("auto", "on", "off"), "auto",
             "auto, on or off; unset means auto",
             "measured all-reduce choices (collectives/calibration.py): auto with a tuning file "
@@ -225,17 +204,18 @@ SETTINGS = (
             "an uncaught exception on any rank prints its traceback and ends the whole job"),
     Setting("MPISTRAT_RANKS_PER_NODE", _positive_int, None,
             "an integer >= 1; unset means the real nodes",
-            "group consecutive ranks into simulated nodes of this many ranks"),
+            "group consecutive ranks into simulated nodes of this many ranks", uniform=True),
     Setting("MPISTRAT_CUDA_AWARE_MPI", parse_bool, None, _BOOL + "; unset means ask Open MPI",
-            "override the CUDA-awareness query (`MPIX_Query_cuda_support`)"),
+            "override the CUDA-awareness query (`MPIX_Query_cuda_support`)", uniform=True),
     Setting("MPISTRAT_NCCL", parse_bool, None, _BOOL + "; unset means use NCCL when it imports",
-            "off: never use NCCL (device arrays are staged or go to a CUDA-aware MPI)"),
+            "off: never use NCCL (device arrays are staged or go to a CUDA-aware MPI)",
+            uniform=True),
     Setting("MPISTRAT_DISABLE_GPU", parse_bool, False, _BOOL + "; unset means off",
-            "see no GPU: host replicas even on a GPU machine"),
+            "see no GPU: host replicas even on a GPU machine", uniform=True),
     Setting("MPISTRAT_CHECKPOINT_MODE", _choice("parallel", "parts"), "parallel",
             "parallel or parts; unset means parallel",
             "parts: one part file per rank plus a virtual-dataset master (for file systems "
-            "where several writers to one file are unsafe, e.g. NFS)"),
+            "where several writers to one file are unsafe, e.g. NFS)", uniform=True),
     Setting("MPISTRAT_CHECKPOINT_PREFLIGHT", parse_bool, True, _BOOL + "; unset means on",
             "off: skip the free-space check before a save (quota'd file systems; the file "
             "size limit is always checked)"),
@@ -281,6 +261,13 @@ SETTINGS = (
             for_tests=True),
 )
 _BY_NAME: Dict[str, Setting] = {s.name: s for s in SETTINGS}
+# Variables no longer read, and what to use instead (a warning names them when set).
+REMOVED = {
+    "MPISTRAT_RING_THRESHOLD": "the all-reduce algorithm comes from the rules, the tuning table "
+    "(MPISTRAT_TUNING, docs/tuning.md) or CommunicationOptions(algorithm=...)",
+    "MPISTRAT_HIERARCHICAL_THRESHOLD": "the all-reduce algorithm comes from the rules, the "
+    "tuning table (MPISTRAT_TUNING, docs/tuning.md) or CommunicationOptions(algorithm=...)",
+}
 _SEE = " (docs/settings.md lists every variable)"
 _state = {"agreed": False}
 
@@ -345,21 +332,64 @@ def unknown_names(environ: Optional[Mapping[str, str]] = None) -> List[str]:
     env = os.environ if environ is None else environ
     out = []
     for name in sorted(n for n in env if n.startswith("MPISTRAT_") and n not in _BY_NAME):
+        if name in REMOVED:
+            out.append(f"{name} (no longer read: {REMOVED[name]})")
+            continue
         close = difflib.get_close_matches(name, list(_BY_NAME), n=1)
         out.append(f"{name} (did you mean {close[0]}?)" if close else name)
     return out
 
 
+def uniform_values(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """The parsed values of the variables every rank must share (``uniform``: they steer
+    which MPI calls a collective makes), where they parse (pure)."""
+    values = {}
+    for setting in SETTINGS:
+        if setting.uniform:
+            try:
+                values[setting.name] = get(setting.name, environ)
+            except SettingError:
+                values[setting.name] = "(refused)"   # (problems() names it)
+    return values
+
+
+def disagreements(everyone: List[Dict[str, Any]]) -> List[str]:
+    """For each ``uniform`` variable whose value differs between ranks, one text naming
+    the ranks of each value (pure; ``everyone[rank]`` is ``uniform_values()``)::
+
+        >>> disagreements([{"MPISTRAT_VALIDATE": True}, {"MPISTRAT_VALIDATE": False}])
+        ['MPISTRAT_VALIDATE differs between ranks: rank 0 has True; rank 1 has False']
+    """
+    texts = []
+    for name in everyone[0] if everyone else ():
+        groups: Dict[str, List[int]] = {}
+        for rank, values in enumerate(everyone):
+            groups.setdefault(repr(values.get(name)), []).append(rank)
+        if len(groups) > 1:
+            parts = "; ".join(f"{'rank' if len(r) == 1 else 'ranks'} "
+                              f"{', '.join(map(str, r))} {'has' if len(r) == 1 else 'have'} {v}"
+                              for v, r in groups.items())
+            texts.append(f"{name} differs between ranks: {parts}")
+    return texts
+
+
 def agree(comm) -> None:
     """Check every variable on every rank of ``comm`` (collective); raise the same
-    ``SettingError`` on every rank when any rank has a bad value, naming the ranks."""
+    ``SettingError`` on every rank when any rank has a bad value, naming the ranks, or when
+    a ``uniform`` variable differs between ranks (ranks would pair different MPI calls and
+    wait for ever)."""
     mine = problems()
     if comm.Get_size() > 1:
-        if comm.allreduce(1 if mine else 0):
-            where = f"rank {comm.Get_rank()} ({socket.gethostname()})"
-            reports = [r for r in comm.allgather((where, mine)) if r[1]]
-            raise SettingError("; ".join(f"on {where}: {'; '.join(texts)}"
-                                         for where, texts in reports) + _SEE)
+        where = f"rank {comm.Get_rank()} ({socket.gethostname()})"
+        everyone = comm.allgather((where, mine, uniform_values()))
+        reports = [(w, texts) for w, texts, _ in everyone if texts]
+        if reports:
+            raise SettingError("; ".join(f"on {w}: {'; '.join(texts)}"
+                                         for w, texts in reports) + _SEE)
+        differ = disagreements([values for _, _, values in everyone])
+        if differ:
+            raise SettingError("; ".join(differ) + " (give every rank the same environment: "
+                               "mpirun -x NAME, or export it before srun)" + _SEE)
     elif mine:
         raise SettingError("; ".join(mine) + _SEE)
     _state["agreed"] = True

@@ -70,3 +70,25 @@ def test_an_uncaught_bad_value_ends_the_job_with_the_named_error(tmp_path):
     assert seconds < 40, output
     assert "unreachable" not in output
     assert "MPISTRAT_VALIDATE='maybe': expected a boolean: 1, true, yes, on or 0, false" in output
+
+
+@pytest.mark.parametrize("nprocs", [2, 3])
+def test_ranks_that_differ_on_a_setting_that_steers_mpi_calls_are_refused_together(tmp_path,
+                                                                                    nprocs):
+    """MPISTRAT_VALIDATE=0 on one rank only: that rank would skip the probe the others wait
+    in. Every rank raises when the world is made, naming the variable and who has what."""
+    code, output, seconds = launch_mpmd(
+        tmp_path, [{}] * (nprocs - 1) + [{"MPISTRAT_VALIDATE": "0"}], JOB)
+    assert code == 0, output
+    assert seconds < 40, output
+    assert "sum" not in output, output
+    others = "rank 0" if nprocs == 2 else "ranks 0, 1"
+    for rank in range(nprocs):
+        lines = [line for line in output.splitlines() if line.startswith(f"rank {rank} caught")]
+        assert len(lines) == 1, output
+        assert "SettingError" in lines[0] and "MPISTRAT_VALIDATE differs between ranks: " \
+            f"{others} ha" in lines[0] and f"rank {nprocs - 1} has False" in lines[0], lines[0]
+    # the same value spelled two ways is the same value
+    code, output, _ = launch_mpmd(tmp_path, [{"MPISTRAT_VALIDATE": "off"}] * (nprocs - 1) +
+                                  [{"MPISTRAT_VALIDATE": "0"}], JOB)
+    assert code == 0 and output.count(f"sum {float(nprocs)}") == nprocs, output

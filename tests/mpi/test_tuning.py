@@ -158,14 +158,6 @@ def test_the_second_run_uses_the_cached_table_without_calibrating(comm, shared_p
         second_comm.Free()
 
 
-def test_a_hand_set_threshold_overrides_the_tuner(comm, shared_path, monkeypatch):
-    monkeypatch.setenv("MPISTRAT_TUNING", "on")
-    monkeypatch.setenv("MPISTRAT_RING_THRESHOLD", "1MiB")
-    assert calibration.table_for(comm) is None
-    if comm.Get_size() > 1:
-        assert "MPISTRAT_RING_THRESHOLD" in calibration.describe(comm)["source"]
-
-
 @pytest.mark.parametrize("algorithm", ["mpi", "ring", "rabenseifner", "hierarchical"])
 def test_forcing_each_algorithm_through_the_table_gives_the_same_sums(comm, algorithm):
     every = {(c, b, p): algorithm for c in tuning.SIZE_CLASSES for b in tuning.BUCKETS
@@ -284,9 +276,8 @@ def test_without_a_table_a_fused_bucket_takes_mpi_own_and_a_kept_tensor_the_ring
     """The static rules (no table) by place: in place on one node MPI's own below
     ``IN_PLACE_RING_THRESHOLD_BYTES``, out of place the ring from ``RING_THRESHOLD_BYTES``."""
     from mpistrat.collectives import algorithms
-    if algorithms.IN_PLACE_RING_THRESHOLD_BYTES <= 4 << 20 or \
-            not 0 <= algorithms.RING_THRESHOLD_BYTES <= 2 << 20:
-        pytest.skip("MPISTRAT_RING_THRESHOLD set by hand: one threshold for both places")
+    assert algorithms.RING_THRESHOLD_BYTES <= 2 << 20 < 4 << 20 < \
+        algorithms.IN_PLACE_RING_THRESHOLD_BYTES
     calibration.install(comm, None)
     engine = CollectiveEngine(comm)
     lone = np.ones(1 << 19, np.float32)                                 # 2 MiB, kept

@@ -19,10 +19,9 @@ def value(name, text):
 @pytest.mark.parametrize("name,text", [
     ("MPISTRAT_COLLECTIVE_TIMEOUT", "abc"), ("MPISTRAT_COLLECTIVE_TIMEOUT", "0"),
     ("MPISTRAT_COLLECTIVE_TIMEOUT", "-1"), ("MPISTRAT_COLLECTIVE_TIMEOUT", "nan"),
-    ("MPISTRAT_COLLECTIVE_TIMEOUT", "inf"), ("MPISTRAT_RING_THRESHOLD", "big"),
-    ("MPISTRAT_RING_THRESHOLD", "1.5MiB"), ("MPISTRAT_BUFFER_POOL_BYTES", "-1"),
-    ("MPISTRAT_BUFFER_POOL_BYTES", "1 parsec"), ("MPISTRAT_HIERARCHICAL_THRESHOLD", "lots"),
-    ("MPISTRAT_HIERARCHICAL_THRESHOLD", "off"), ("MPISTRAT_DETERMINISTIC", "2"),
+    ("MPISTRAT_COLLECTIVE_TIMEOUT", "inf"), ("MPISTRAT_BUFFER_POOL_BYTES", "1.5MiB"),
+    ("MPISTRAT_BUFFER_POOL_BYTES", "-1"), ("MPISTRAT_BUFFER_POOL_BYTES", "1 parsec"),
+    ("MPISTRAT_BUFFER_POOL_BYTES", "off"), ("MPISTRAT_DETERMINISTIC", "2"),
     ("MPISTRAT_VALIDATE", "maybe"), ("MPISTRAT_ABORT_ON_ERROR", "nope"),
     ("MPISTRAT_TRACE", "verbose"), ("MPISTRAT_RANKS_PER_NODE", "0"),
     ("MPISTRAT_RANKS_PER_NODE", "two"), ("MPISTRAT_CHECKPOINT_MODE", "shared"),
@@ -45,12 +44,11 @@ def test_a_bad_value_names_the_variable_the_value_and_what_is_accepted(name, tex
 @pytest.mark.parametrize("name,text,expected", [
     ("MPISTRAT_COLLECTIVE_TIMEOUT", "600", 600.0), ("MPISTRAT_COLLECTIVE_TIMEOUT", " 2.5 ", 2.5),
     ("MPISTRAT_COLLECTIVE_TIMEOUT", "1e3", 1000.0), ("MPISTRAT_COLLECTIVE_TIMEOUT", "", None),
-    ("MPISTRAT_RING_THRESHOLD", "1048576", 1 << 20), ("MPISTRAT_RING_THRESHOLD", "4MiB", 4 << 20),
-    ("MPISTRAT_RING_THRESHOLD", "off", -1), ("MPISTRAT_RING_THRESHOLD", "-1", -1),
+    ("MPISTRAT_BUFFER_POOL_BYTES", "1048576", 1 << 20),
     ("MPISTRAT_BUFFER_POOL_BYTES", "0", 0), ("MPISTRAT_BUFFER_POOL_BYTES", "1GiB", 1 << 30),
     ("MPISTRAT_BUFFER_POOL_BYTES", "100 MB", 10 ** 8),
     ("MPISTRAT_BUFFER_POOL_BYTES", "64kib", 65536),
-    ("MPISTRAT_HIERARCHICAL_THRESHOLD", "16MiB", 16 << 20),
+    ("MPISTRAT_BUFFER_POOL_BYTES", "16MiB", 16 << 20),
     ("MPISTRAT_DETERMINISTIC", "1", True), ("MPISTRAT_DETERMINISTIC", "TRUE", True),
     ("MPISTRAT_VALIDATE", "off", False), ("MPISTRAT_VALIDATE", "No", False),
     ("MPISTRAT_VALIDATE", "", True), ("MPISTRAT_CUDA_AWARE_MPI", "0", False),
@@ -68,7 +66,7 @@ def test_accepted_values_parse_to_their_meaning(name, text, expected):
 
 def test_unset_gives_the_default():
     assert settings.get("MPISTRAT_BUFFER_POOL_BYTES", {}) is None   # (1/32 of memory, <= 1 GiB)
-    assert settings.get("MPISTRAT_RING_THRESHOLD", {}) == 1 << 20
+    assert settings.get("MPISTRAT_TUNING", {}) == "auto"
     assert settings.get("MPISTRAT_VALIDATE", {}) is True
     assert settings.get("MPISTRAT_COLLECTIVE_TIMEOUT", {}) is None
 
@@ -103,6 +101,7 @@ def test_every_variable_the_project_names_is_registered_and_documented():
         named |= set(re.findall(r"\bMPISTRAT_[A-Z][A-Z0-9_]*[A-Z0-9]\b", text))
     registered = {s.name for s in settings.SETTINGS}
     named -= {"MPISTRAT_COLECTIVE_TIMEOUT"}   # this file's example of a typo
+    named -= set(settings.REMOVED)            # named only to say they are no longer read
     assert named - registered == set(), "register these in mpistrat/runtime/settings.py"
     documented = set(re.findall(r"^\| `(MPISTRAT_[A-Z0-9_]+)`",
                                 (ROOT / "docs" / "settings.md").read_text(), re.M))
@@ -119,3 +118,27 @@ def test_the_library_reads_mpistrat_variables_only_through_the_parser():
             if re.search(r"environ(\.get\(|\[)\s*['\"]MPISTRAT_|getenv\(\s*['\"]MPISTRAT_", line):
                 direct.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not direct, "read these through mpistrat.runtime.settings.get:\n" + "\n".join(direct)
+
+
+def test_a_removed_variable_is_named_with_what_replaces_it():
+    """MPISTRAT_RING_THRESHOLD and MPISTRAT_HIERARCHICAL_THRESHOLD only chose a path for
+    benchmarking; set now, they are named as no longer read, with what to use instead."""
+    found = settings.unknown_names({"MPISTRAT_RING_THRESHOLD": "4MiB",
+                                    "MPISTRAT_HIERARCHICAL_THRESHOLD": "1MiB"})
+    assert len(found) == 2 and all("no longer read" in text and "algorithm=" in text
+                                   for text in found), found
+    assert settings.problems({"MPISTRAT_RING_THRESHOLD": "4MiB"}) == []
+
+
+def test_ranks_that_differ_on_a_path_setting_are_named():
+    """Settings that steer which MPI calls run (uniform) must match on every rank: the
+    differences are named, rank by rank, and the others may differ."""
+    uniform = [s.name for s in settings.SETTINGS if s.uniform]
+    assert {"MPISTRAT_VALIDATE", "MPISTRAT_DETERMINISTIC", "MPISTRAT_COLLECTIVE_TIMEOUT",
+            "MPISTRAT_NCCL"} <= set(uniform)
+    assert "MPISTRAT_TRACE" not in uniform and "MPISTRAT_TIMELINE" not in uniform
+    ranks = [settings.uniform_values(env) for env in (
+        {}, {"MPISTRAT_VALIDATE": "0"}, {"MPISTRAT_VALIDATE": "off", "MPISTRAT_TRACE": "1"})]
+    assert settings.disagreements(ranks) == [
+        "MPISTRAT_VALIDATE differs between ranks: rank 0 has True; ranks 1, 2 have False"]
+    assert settings.disagreements(ranks[1:]) == []

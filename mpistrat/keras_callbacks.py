@@ -35,12 +35,13 @@ def _share_restored(model, engine) -> None:
     ``_initial_epoch``, which ``BackupAndRestore`` sets), the model's variables and, when rank
     0's optimizer holds state, the optimizer's (built here first where it is not yet)."""
     import numpy as np
+    from mpistrat.keras_adapter import initial_epoch, set_initial_epoch
     optimizer = getattr(model, "optimizer", None)
     epoch, built = engine.broadcast_object(
-        (getattr(model, "_initial_epoch", None), bool(getattr(optimizer, "built", False))), 0)
+        (initial_epoch(model), bool(getattr(optimizer, "built", False))), 0)
     if engine.rank != 0:
         if epoch is not None:
-            model._initial_epoch = epoch
+            set_initial_epoch(model, epoch)
         if built and not optimizer.built:
             optimizer.build(model.trainable_variables)
     variables = list(model.variables) + (list(optimizer.variables) if built else [])

@@ -107,10 +107,9 @@ class _RankShare:
 
 
 def _epochs_of(dataset):
-    """A Keras ``DataAdapter`` that iterates an ``ms`` distributed dataset afresh each epoch."""
-    from keras.src.trainers.data_adapters import data_adapter, data_adapter_utils
-
+    """A Keras data adapter that iterates an ``ms`` distributed dataset afresh each epoch."""
     from mpistrat.distribute.values import DistributedValues
+    from mpistrat.keras_adapter import each_epoch
 
     def local(value):   # one replica per rank: the PerReplica's only component
         if isinstance(value, DistributedValues):
@@ -122,20 +121,7 @@ def _epochs_of(dataset):
             return {k: local(v) for k, v in value.items()}
         return value
 
-    def batches():
-        return (local(batch) for batch in dataset)
-
-    class Epochs(data_adapter.DataAdapter):
-        def get_numpy_iterator(self):
-            return data_adapter_utils.get_numpy_iterator(batches())
-
-        def get_jax_iterator(self):
-            return data_adapter_utils.get_jax_iterator(batches())
-
-        num_batches = batch_size = has_partial_batch = partial_batch_size = property(
-            lambda self: None)
-
-    return Epochs()
+    return each_epoch(lambda: (local(batch) for batch in dataset))
 
 
 def _statistics(model) -> list:
@@ -180,8 +166,8 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
     import jax
     import jax.numpy as jnp
     import keras
-    from keras.src import backend
-    from keras.src.trainers.data_adapters import data_adapter_utils
+    from keras.utils import unpack_x_y_sample_weight
+    from mpistrat.keras_adapter import update_metrics
     from mpistrat.nn import all_reduce_gradients
     from mpistrat.runtime import get_world
 
@@ -197,8 +183,8 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
         return all_reduce_gradients(tree, strategy, "SUM")
 
     def metrics_logs(metrics_variables):
-        with backend.StatelessScope(state_mapping=list(zip(model.metrics_variables,
-                                                           metrics_variables))):
+        with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables,
+                                                         metrics_variables))):
             return model.get_metrics_result()
 
     def summed_deltas(old, new, present):
@@ -209,7 +195,7 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
 
     def train_step(state, data):
         trainable, non_trainable, optimizer_vars, metrics_vars = state
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = unpack_x_y_sample_weight(data)
         rows = _rows(x)
         present = rows > 0   # a replica with 0 rows contributes nothing (static shape)
         if present or synchronized:   # (SyncBatchNormalization: every replica joins its sums)
@@ -219,8 +205,8 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
                                       sample_weight, training=True,
                                       optimizer_variables=optimizer_vars)
             unscaled, y_pred, non_trainable, after_loss = aux
-            _, new_metrics = model._update_metrics_variables(after_loss, unscaled, x, y,
-                                                             y_pred, sample_weight)
+            new_metrics = update_metrics(model, after_loss, unscaled, x, y, y_pred,
+                                         sample_weight)
         else:
             grads = jax.tree_util.tree_map(jnp.zeros_like, trainable)
             new_metrics = metrics_vars
@@ -248,15 +234,15 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
 
     def test_step(state, data):
         trainable, non_trainable, metrics_vars = state
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = unpack_x_y_sample_weight(data)
         rows = _rows(x)
         new_metrics = metrics_vars
         if rows > 0:
             _, aux = model.compute_loss_and_updates(trainable, non_trainable, metrics_vars, x,
                                                     y, sample_weight, training=False)
             unscaled, y_pred, non_trainable, after_loss = aux
-            _, new_metrics = model._update_metrics_variables(after_loss, unscaled, x, y,
-                                                             y_pred, sample_weight)
+            new_metrics = update_metrics(model, after_loss, unscaled, x, y, y_pred,
+                                         sample_weight)
         deltas = reduce_sum(summed_deltas(metrics_vars, new_metrics, rows > 0))
         metrics_vars = [o + d for o, d in zip(metrics_vars, deltas)]
         return metrics_logs(metrics_vars), (trainable, non_trainable, metrics_vars)
@@ -294,7 +280,7 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
         if isinstance(validation_data, DistributedDataset):   # (Keras: "Unrecognized data type")
             validation_data = _epochs_of(validation_data)
         elif validation_data is not None and _is_arrays(validation_data):
-            vx, vy, vw = data_adapter_utils.unpack_x_y_sample_weight(validation_data)
+            vx, vy, vw = unpack_x_y_sample_weight(validation_data)
             vbatch = kwargs.get("validation_batch_size") or batch_size
             validation_data = share(vx, vy, vw, vbatch, False)[0]
             kwargs.pop("validation_batch_size", None)
@@ -346,5 +332,4 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
     if model.built:   # weights made in the scope start alike on every rank (rank 0's)
         mirror_weights(model, strategy)
         model._mpistrat_mirrored = True
-    del keras
     return model

@@ -136,14 +136,15 @@ def _keras_children(obj: Any) -> Optional[Tuple[Children, bool]]:
         return None
     if hasattr(obj, "jax_state_sync"):
         obj.jax_state_sync()       # a model in fit: its variables hold what training holds
-    children = _named_variables(list(obj._trainable_variables) +
-                                list(obj._non_trainable_variables))
-    for index, generator in enumerate(getattr(obj, "_seed_generators", ())):
+    from mpistrat.keras_adapter import own_state
+    own, generators, tracked = own_state(obj)
+    children = _named_variables(own)
+    for index, generator in enumerate(generators):
         children.append((f"seed_generator-{index}", generator, None))
     by_attribute = {id(v): k for k, v in vars(obj).items()
                     if not k.startswith("_") and isinstance(v, layer)}
     (input_layer,) = _keras_class("layers.InputLayer") or (None,)
-    sublayers = [s for s in obj._layers if input_layer is None or not isinstance(s, input_layer)]
+    sublayers = [s for s in tracked if input_layer is None or not isinstance(s, input_layer)]
     for index, sub in enumerate(sublayers):   # input layers hold no state: not counted
         children.append((by_attribute.get(id(sub), f"layer-{index}"), sub, None))
     return children, not obj.built
@@ -152,19 +153,16 @@ def _keras_children(obj: Any) -> Optional[Tuple[Children, bool]]:
 def _optimizer_children(optimizer) -> Children:
     children: Children = [("iterations", optimizer.iterations, None)]
     known = {id(optimizer.iterations)}
-    rate = getattr(optimizer, "_learning_rate", None)
+    from mpistrat.keras_adapter import optimizer_state
+    rate, slots = optimizer_state(optimizer)
     if _keras_class("Variable") and isinstance(rate, _keras_class("Variable")):
         children.append(("learning_rate", rate, None))
         known.add(id(rate))
-    count = len(getattr(optimizer, "_trainable_variables", ()))
-    for name, value in sorted(vars(optimizer).items()):
-        if name in ("_variables", "_trainable_variables") or not count or \
-                not isinstance(value, (list, tuple)) or len(value) != count:
-            continue
+    for name, value in slots:
         if all(isinstance(v, _keras_class("Variable")) or v is None for v in value):
             for index, variable in enumerate(value):
                 if variable is not None and id(variable) not in known:
-                    children.append((f"{name.lstrip('_')}/{index}", variable, None))
+                    children.append((f"{name}/{index}", variable, None))
                     known.add(id(variable))
     rest = [v for v in optimizer.variables if id(v) not in known]
     children.extend((f"variables/{i}", v, None) for i, v in enumerate(rest))

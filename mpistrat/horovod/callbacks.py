@@ -13,6 +13,7 @@ import keras
 import numpy as np
 
 import mpistrat.horovod as hvd
+from mpistrat.keras_adapter import reload_state
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateWarmupCallback"]
@@ -33,8 +34,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         optimizer = getattr(model, "optimizer", None)
         variables = list(model.variables) + (list(optimizer.variables) if optimizer else [])
         hvd.broadcast_variables(variables, self.root_rank)
-        if hasattr(model, "_jax_state_synced"):   # the next step reads the variables again
-            model._jax_state_synced = True
+        reload_state(model)   # the next step reads the variables again
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
@@ -101,8 +101,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         if hasattr(model, "jax_state_sync"):
             model.jax_state_sync()   # the running state back into the variables first
         model.optimizer.learning_rate = lr
-        if hasattr(model, "_jax_state_synced"):
-            model._jax_state_synced = True   # the next step takes the new rate
+        reload_state(model)   # the next step takes the new rate
         if self.verbose and hvd.rank() == 0 and batch == 0 and self.epoch < self.warmup_epochs:
             print(f"\nEpoch {self.epoch + 1}: learning rate {lr:.6g} (warm-up)")
 

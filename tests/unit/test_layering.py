@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2] / "mpistrat"
 LAYERS = {
     "mpistrat.errors": 0, "mpistrat.nest": 0, "mpistrat.partition": 0,
     "mpistrat.tfformats": 0, "mpistrat.io": 0,
+    "mpistrat.keras_adapter": 0,   # Keras's private names, behind one adapter (imports Keras only)
     "mpistrat.runtime": 1, "mpistrat.cluster_resolver": 1, "mpistrat.cluster_spec": 0, "mpistrat.config": 1,
     "mpistrat.tpu": 1,
     "mpistrat.collectives": 2,

@@ -1,0 +1,117 @@
+"""The one place mpistrat uses Keras's private API (``keras.src``, ``Model._...``).
+
+Everything else in the Keras support takes Keras 3's public names (``keras.StatelessScope``,
+``keras.utils.unpack_x_y_sample_weight``, ``Model.compute_loss_and_updates``,
+``optimizer.stateless_apply``, ``keras.utils.PyDataset``, callbacks). Two things have no
+public form, and live here, each checked before use so that a Keras that moved them gives
+an error naming the Keras version and the tested range, not an ``AttributeError`` deep in a
+train step:
+
+* ``update_metrics``: a train step's metric variables after one batch
+  (``Model._update_metrics_variables``: the compiled metrics and the loss tracker, with
+  sample weights, as Keras's own train step updates them);
+* ``each_epoch``: a Keras ``DataAdapter`` (``keras.src.trainers.data_adapters``) that
+  iterates an mpistrat distributed dataset afresh each epoch; a ``PyDataset`` needs a length
+  or an infinite stream, and Python generators are iterated once;
+* ``own_state``: a layer's own variables, seed generators and sublayers, apart (the
+  checkpoint's object graph, as TensorFlow's names it; ``layer.variables`` mixes a layer's
+  own with its sublayers');
+* ``optimizer_state``: an optimizer's learning-rate variable and its per-variable slot
+  lists (``_momentums``, ...), named as TensorFlow's checkpoints name them;
+* ``initial_epoch`` / ``set_initial_epoch``: the epoch ``BackupAndRestore`` resumes at
+  (``Model._initial_epoch``), shared from rank 0;
+* ``reload_state``: a model in ``fit`` reads its variables again at the next step (after a
+  callback assigned them: ``Model._jax_state_synced``).
+
+Tested against Keras 3.15.1 (the newest; ``pyproject.toml`` allows 3.10 and later)::
+
+    >>> from mpistrat.keras_adapter import TESTED
+    >>> TESTED
+    '3.15.1'
+"""
+
+from typing import Any, Callable, Iterator
+
+__all__ = ["update_metrics", "each_epoch", "own_state", "optimizer_state", "initial_epoch",
+           "set_initial_epoch", "reload_state", "TESTED"]
+
+TESTED = "3.15.1"   # the Keras versions whose private names below were checked
+
+
+def _missing(what: str) -> RuntimeError:
+    import keras
+    return RuntimeError(
+        f"Keras {keras.__version__} has no {what}, which mpistrat's Keras support needs "
+        f"(tested with Keras {TESTED}; mpistrat/keras_adapter.py is the one place that uses "
+        f"Keras's private API)")
+
+
+def update_metrics(model: Any, metrics_variables, unscaled_loss, x, y, y_pred,
+                   sample_weight) -> list:
+    """``model``'s metric variables after one batch, statelessly: Keras's own update of
+    its loss tracker and compiled metrics (``Model._update_metrics_variables`` of the JAX
+    trainer), from ``metrics_variables`` (the values before the batch)."""
+    update = getattr(model, "_update_metrics_variables", None)
+    if update is None:
+        raise _missing("Model._update_metrics_variables")
+    return update(metrics_variables, unscaled_loss, x, y, y_pred, sample_weight)[1]
+
+
+def each_epoch(batches: Callable[[], Iterator]) -> Any:
+    """A Keras data adapter whose every epoch iterates ``batches()`` afresh (its length
+    unknown to Keras, as a generator's)."""
+    try:
+        from keras.src.trainers.data_adapters import data_adapter, data_adapter_utils
+    except ImportError:
+        raise _missing("keras.src.trainers.data_adapters") from None
+
+    class Epochs(data_adapter.DataAdapter):
+        def get_numpy_iterator(self):
+            return data_adapter_utils.get_numpy_iterator(batches())
+
+        def get_jax_iterator(self):
+            return data_adapter_utils.get_jax_iterator(batches())
+
+        num_batches = batch_size = has_partial_batch = partial_batch_size = property(
+            lambda self: None)
+
+    return Epochs()
+
+
+def own_state(layer: Any):
+    """``(own variables, seed generators, sublayers)`` of a Keras layer: its trainable then
+    non-trainable variables (not its sublayers'), its seed generators, and the layers it
+    tracks, in the order Keras made them."""
+    try:
+        variables = list(layer._trainable_variables) + list(layer._non_trainable_variables)
+        return variables, list(getattr(layer, "_seed_generators", ())), list(layer._layers)
+    except AttributeError:
+        raise _missing("Layer._trainable_variables / _non_trainable_variables / _layers") \
+            from None
+
+
+def initial_epoch(model: Any):
+    """The epoch ``fit`` starts at after ``BackupAndRestore`` restored (None: not set)."""
+    return getattr(model, "_initial_epoch", None)
+
+
+def set_initial_epoch(model: Any, epoch: int) -> None:
+    """Make ``fit`` start at ``epoch`` (as ``BackupAndRestore``'s restore does)."""
+    model._initial_epoch = epoch
+
+
+def optimizer_state(optimizer: Any):
+    """``(learning-rate variable or None, [(slot name, per-variable list)])`` of a Keras
+    optimizer: the lists as long as its trainable variables (``momentums``, ...), sorted."""
+    count = len(getattr(optimizer, "_trainable_variables", ()))
+    slots = [(name.lstrip("_"), value) for name, value in sorted(vars(optimizer).items())
+             if name not in ("_variables", "_trainable_variables") and count and
+             isinstance(value, (list, tuple)) and len(value) == count]
+    return getattr(optimizer, "_learning_rate", None), slots
+
+
+def reload_state(model: Any) -> None:
+    """Make a model in ``fit`` take its variables again at its next step (a callback
+    assigned them: the learning rate, broadcast weights)."""
+    if hasattr(model, "_jax_state_synced"):
+        model._jax_state_synced = True

@@ -58,6 +58,13 @@ ALL_REDUCE_WHAT = {op: f"all_reduce {op.name}" for op in ReduceOp}
 EXACT = (ReduceOp.SUM, ReduceOp.MEAN)
 FOLD_SCALARS = frozenset(d.type for d in FOLDABLE)   # NumPy scalar types that fold
 _FLOAT64 = np.dtype(np.float64)
+_NDARRAY_ONLY = {np.ndarray}
+
+
+def steering(opts: CommunicationOptions) -> str:
+    """The options that steer the host backend's MPI calls (the algorithm asked for, the
+    bucket size), as they enter a path."""
+    return f"algorithm={opts.algorithm} pack={opts.pack_bytes}"
 
 
 class AllReduceCall:
@@ -65,15 +72,19 @@ class AllReduceCall:
     signature, the per-call and merged options, the deadline, ``outs`` (the caller's
     buffers, or None) and ``what`` (its name in errors and in the hash)."""
 
-    __slots__ = ("op", "arrays", "signature", "options", "opts", "deadline", "outs", "what")
+    __slots__ = ("op", "arrays", "signature", "options", "opts", "deadline", "outs", "what",
+                 "numpy_only")
 
     def __init__(self, op: ReduceOp, arrays: List, signature: tuple,
                  options: Optional[CommunicationOptions], opts: CommunicationOptions,
-                 outs: Optional[List[np.ndarray]] = None, what: str = ""):
+                 outs: Optional[List[np.ndarray]] = None, what: str = "",
+                 numpy_only: Optional[bool] = None):
         self.op, self.arrays, self.signature = op, arrays, signature
         self.options, self.opts, self.outs = options, opts, outs
         self.what = what or ALL_REDUCE_WHAT[op]
         self.deadline: Optional[Deadline] = None
+        self.numpy_only = set(map(type, arrays)) <= _NDARRAY_ONLY if numpy_only is None \
+            else numpy_only   # (every array a NumPy array: known already for a plain list)
 
 
 def _one_small(call: AllReduceCall) -> Any:
@@ -101,7 +112,7 @@ class Reproducible:
         return call.op in EXACT and (self.always or call.opts.deterministic)
 
     def path(self, call: AllReduceCall) -> str:
-        return self.name
+        return f"{self.name} {steering(call.opts)}"   # (its integers take the host backend)
 
     def run(self, call: AllReduceCall) -> List:
         return self.sum(call.arrays, call.op, None, call.opts, call.deadline)[0]
@@ -272,7 +283,7 @@ class HostOp:
         self._default = (engine_options, self._describe(engine_options))
 
     def enabled(self, call: AllReduceCall) -> bool:
-        return all(type(a) is np.ndarray for a in call.arrays)
+        return call.numpy_only
 
     def path(self, call: AllReduceCall) -> str:
         opts, text = self._default
@@ -280,7 +291,7 @@ class HostOp:
 
     @staticmethod
     def _describe(opts: CommunicationOptions) -> str:
-        return f"host-mpi algorithm={opts.algorithm} pack={opts.pack_bytes}"
+        return f"host-mpi {steering(opts)}"
 
     def run(self, call: AllReduceCall) -> List:
         return self.backend.all_reduce(self.comm, call.arrays, call.op, call.opts,
@@ -291,7 +302,8 @@ class ByKind:
     """Arrays of several kinds, or device arrays: each kind by the first usable backend
     (``backends.select_backend``: NCCL, CUDA-aware MPI, staged through the host; NumPy
     arrays by the host backend). Its path names the implementation asked for and this
-    rank's capabilities, so ranks whose GPUs differ in what they can do raise together."""
+    rank's capabilities (and the host backend's options), so ranks whose GPUs differ in what
+    they can do raise together."""
 
     name = "by-kind"
     validates = False
@@ -304,7 +316,8 @@ class ByKind:
         return call.outs is None
 
     def path(self, call: AllReduceCall) -> str:
-        return f"by-kind implementation={call.opts.implementation.name} {capabilities()}"
+        return f"by-kind implementation={call.opts.implementation.name} {steering(call.opts)} " \
+            f"{capabilities()}"   # (staged and NumPy arrays take the host backend)
 
     def backends(self, arrays: List, opts) -> List[Tuple[Any, List[int]]]:
         """``(backend, indices)`` for each kind among ``arrays``, in order of appearance."""

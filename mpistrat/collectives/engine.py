@@ -203,7 +203,8 @@ class CollectiveEngine:
         else:      # any nest or JAX pytree (collectives/structure.py)
             leaves, rebuild = flatten(value)
             arrays, what = [_as_array(v) for v in leaves], ALL_REDUCE_WHAT[op]
-        call = AllReduceCall(op, arrays, signature_of(arrays), options, self.options, outs, what)
+        call = AllReduceCall(op, arrays, signature_of(arrays), options, self.options, outs, what,
+                             True if flat else None)
         results, chosen = self._dispatch(call, value)
         if start is not None:
             self._record(ALL_REDUCE_WHAT[op], start, arrays, self._label(chosen, call))
@@ -266,9 +267,12 @@ class CollectiveEngine:
             np.float32(3.0)                                            # on 2 ranks
         """
         kind = type(value)
+        if kind is not float and kind not in FOLD_SCALARS and \
+                getattr(value, "size", PAYLOAD_SLOTS + 1) > PAYLOAD_SLOTS:
+            return None   # (no op prepares more values: nothing kept for it)
         try:
             key = (op, kind) if kind is float or kind in FOLD_SCALARS else \
-                (op, kind, getattr(value, "dtype", None), getattr(value, "shape", None))
+                (op, kind, value.dtype, value.shape)
             prepared = self._prepared.get(key, _UNKNOWN)
         except TypeError:   # (an unhashable op: the long path names it)
             return None
@@ -292,8 +296,6 @@ class CollectiveEngine:
         if type(value) is not float and not hasattr(value, "dtype"):
             return None
         array = _as_array(value)
-        if array.size > PAYLOAD_SLOTS:   # (no op prepares more: spare the table's look)
-            return None
         call = AllReduceCall(exact, [array], signature_of([array]), None, self.options)
         chosen = self._choose(call)
         prepare = getattr(chosen, "prepare", None)

@@ -215,7 +215,7 @@ class Probe:
     def sum_values(self, ready: Tuple[array, array, str], what: str, signature: Signature,
                    values: Sequence[float], deadline: Optional[Deadline] = None) -> array:
         """``sum_ready`` for a few values (at most ``PAYLOAD_SLOTS``): their sums (a copy)."""
-        send, _ = ready
+        send = ready[0]
         for index, value in enumerate(values):
             send[index] = value
         return self.exchange(ready, what, signature, deadline)[:len(values)]

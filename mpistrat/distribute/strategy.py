@@ -339,12 +339,16 @@ class Strategy:
         """Split each global batch of a batched ``ms.data.Dataset`` over the replicas.
 
         Iterating the result yields ``PerReplica`` batches for ``run``; all
-        ranks stop on the same step.
+        ranks stop on the same step. Runs ``mpistrat.data.distributed.distribute_dataset``
+        (the data layer sits above this one, so it registers the function when ``mpistrat``
+        is imported: ``register_input_distribution``).
         """
         return _input_distribution("dataset")(self, dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
-        """Call ``dataset_fn(InputContext)`` on each rank; no rebatching or sharding."""
+        """Call ``dataset_fn(InputContext)`` on each rank; no rebatching or sharding. Runs
+        ``mpistrat.data.distributed.distribute_datasets_from_function`` (registered as
+        ``experimental_distribute_dataset``'s is)."""
         return _input_distribution("function")(self, dataset_fn, options)
 
     def __repr__(self) -> str:
@@ -390,5 +394,6 @@ def register_input_distribution(from_dataset, from_function) -> None:
 
 def _input_distribution(kind: str):
     if kind not in _INPUT:  # `import mpistrat` always imports mpistrat.data, which registers
-        raise RuntimeError("datasets are provided by mpistrat.data: import mpistrat first")
+        raise RuntimeError("datasets are provided by mpistrat.data.distributed, which registers "
+                           "them when imported: import mpistrat (or mpistrat.data) first")
     return _INPUT[kind]

@@ -148,7 +148,9 @@ class Setting:
     accepted: str
     effect: str
     for_tests: bool = False   # read by tests and scripts, not by the library
-    uniform: bool = False     # every rank must have the same value (it steers MPI calls)
+    # every rank must have the same value (it steers which MPI calls run); a function: the
+    # same value of it (what of the value steers them)
+    uniform: Any = False
 
 
 _BOOL = "a boolean: 1, true, yes, on or 0, false, no, off (any case)"
@@ -159,7 +161,8 @@ SETTINGS = (
     Setting("MPISTRAT_COLLECTIVE_TIMEOUT", parse_seconds, None,
             _SECONDS + "; unset means no timeout",
             "default `timeout_seconds` of every collective; past it the waiting ranks raise "
-            "`DeadlineExceededError`", uniform=True),
+            "`DeadlineExceededError`",
+            uniform=lambda v: "a timeout" if v is not None else "no timeout"),
     Setting("MPISTRAT_HEALTH_CHECK", parse_bool, True, _BOOL + "; unset means on",
             "the peer health check: a rank that dies, leaves or becomes unreachable while "
             "others wait ends the job with a named error (docs/troubleshooting.md)", uniform=True),
@@ -206,10 +209,9 @@ SETTINGS = (
             "an integer >= 1; unset means the real nodes",
             "group consecutive ranks into simulated nodes of this many ranks", uniform=True),
     Setting("MPISTRAT_CUDA_AWARE_MPI", parse_bool, None, _BOOL + "; unset means ask Open MPI",
-            "override the CUDA-awareness query (`MPIX_Query_cuda_support`)", uniform=True),
+            "override the CUDA-awareness query (`MPIX_Query_cuda_support`)"),
     Setting("MPISTRAT_NCCL", parse_bool, None, _BOOL + "; unset means use NCCL when it imports",
-            "off: never use NCCL (device arrays are staged or go to a CUDA-aware MPI)",
-            uniform=True),
+            "off: never use NCCL (device arrays are staged or go to a CUDA-aware MPI)"),
     Setting("MPISTRAT_DISABLE_GPU", parse_bool, False, _BOOL + "; unset means off",
             "see no GPU: host replicas even on a GPU machine", uniform=True),
     Setting("MPISTRAT_CHECKPOINT_MODE", _choice("parallel", "parts"), "parallel",
@@ -347,9 +349,11 @@ def uniform_values(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any
     for setting in SETTINGS:
         if setting.uniform:
             try:
-                values[setting.name] = get(setting.name, environ)
+                value = get(setting.name, environ)
             except SettingError:
-                values[setting.name] = "(refused)"   # (problems() names it)
+                value = "(refused)"   # (problems() names it)
+            values[setting.name] = setting.uniform(value) if callable(setting.uniform) and \
+                value != "(refused)" else value
     return values
 
 

@@ -135,10 +135,16 @@ def test_ranks_that_differ_on_a_path_setting_are_named():
     differences are named, rank by rank, and the others may differ."""
     uniform = [s.name for s in settings.SETTINGS if s.uniform]
     assert {"MPISTRAT_VALIDATE", "MPISTRAT_DETERMINISTIC", "MPISTRAT_COLLECTIVE_TIMEOUT",
-            "MPISTRAT_NCCL"} <= set(uniform)
+            "MPISTRAT_DISABLE_GPU"} <= set(uniform)
     assert "MPISTRAT_TRACE" not in uniform and "MPISTRAT_TIMELINE" not in uniform
     ranks = [settings.uniform_values(env) for env in (
         {}, {"MPISTRAT_VALIDATE": "0"}, {"MPISTRAT_VALIDATE": "off", "MPISTRAT_TRACE": "1"})]
     assert settings.disagreements(ranks) == [
         "MPISTRAT_VALIDATE differs between ranks: rank 0 has True; ranks 1, 2 have False"]
     assert settings.disagreements(ranks[1:]) == []
+    # a timeout steers the calls by being set at all: 600 s and 900 s agree, unset does not
+    timed = [settings.uniform_values({"MPISTRAT_COLLECTIVE_TIMEOUT": t}) for t in ("600", "900")]
+    assert settings.disagreements(timed) == []
+    assert settings.disagreements(timed + [settings.uniform_values({})]) == [
+        "MPISTRAT_COLLECTIVE_TIMEOUT differs between ranks: ranks 0, 1 have 'a timeout'; "
+        "rank 2 has 'no timeout'"]

@@ -1,9 +1,11 @@
 """``CollectiveEngine``: the single entry point of every collective.
 
-Each call flattens its nested input, checks that the engine is still
-usable, validates across ranks (``validation.agree``), picks the backend
-for each kind of array (``backends.select_backend``), records a trace line
-when ``MPISTRAT_TRACE=1``, runs, and rebuilds the structure::
+Each call flattens its nested input, checks that the engine is still usable, merges the
+options and sets the deadline, traces (``collectives/trace.py``) and records the timeline,
+once; an all-reduce runs the first op of one ordered table that takes it
+(``collectives/allreduce_ops.py``), the op's path agreed with the signature across ranks
+(``validation.agree``); a gather or broadcast takes the backend of each kind of array
+(``backends.select_backend``). The results are rebuilt into the input's structure::
 
     >>> import numpy as np
     >>> from mpistrat.collectives import CollectiveEngine
@@ -13,8 +15,6 @@ when ``MPISTRAT_TRACE=1``, runs, and rebuilds the structure::
     array([2., 2., 2.])                                        # on 2 ranks
 """
 
-import logging
-import sys
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -32,7 +32,9 @@ from mpistrat.collectives.into import out_lists, out_problem, place_of
 from mpistrat.collectives.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.collectives.reproducible import deterministic_default
-from mpistrat.collectives.structure import flatten, signature_of
+from mpistrat.collectives.structure import (axis_or_none, flatten, gather_signature,
+                                            signature_of)
+from mpistrat.collectives import trace  # noqa: I100 - (the tracing's logger, set up at import)
 from mpistrat.collectives.validation import (PAYLOAD_SLOTS, agree, start_agree,
                                              validation_enabled)
 from mpistrat.errors import AbortedError, DeadlineExceededError, InvalidArgumentError
@@ -42,21 +44,6 @@ from mpistrat.runtime.allocator import keep_freed_memory
 from mpistrat.runtime.devices import Capabilities, array_kind
 
 __all__ = ["CollectiveEngine", "default_timeout"]
-
-log = logging.getLogger("mpistrat.collectives")
-
-
-def _configure_trace() -> None:
-    if not settings.get("MPISTRAT_TRACE", at_import=True) or log.handlers:
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    rank = MPI.COMM_WORLD.Get_rank()
-    handler.setFormatter(logging.Formatter(f"[mpistrat rank {rank}] %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.DEBUG)
-
-
-_configure_trace()
 
 
 def default_timeout() -> Optional[float]:
@@ -68,12 +55,6 @@ def _as_array(value: Any):
     if type(value) is np.ndarray:
         return value
     return value if array_kind(value) != "numpy" else np.asarray(value)
-
-
-def _dtype_key(array) -> str:
-    """A dtype as NumPy's short code (``dtypes.dtype_code``), with the kind of a device array."""
-    return dtype_code(array.dtype) if type(array) is np.ndarray else \
-        f"{dtype_code(array.dtype)}@{array_kind(array)}".replace("@numpy", "")
 
 
 _NDARRAY_ONLY = {np.ndarray}
@@ -99,7 +80,7 @@ class CollectiveEngine:
         self.options = options or CommunicationOptions()
         self.validate = validation_enabled()
         self.default_timeout = default_timeout()  # read once, when the engine is made
-        self._trace = log.isEnabledFor(logging.DEBUG)
+        self._trace = trace.on()   # MPISTRAT_TRACE (collectives/trace.py)
         self._broken: Optional[str] = None
         self._calls = 0
         self.deterministic = deterministic_default()  # MPISTRAT_DETERMINISTIC, read once
@@ -140,9 +121,7 @@ class CollectiveEngine:
 
     def _trace_call(self, what: str, signature: tuple, timeout) -> None:
         if self._trace:
-            total = sum(int(np.prod(shape, dtype=np.int64)) for _, shape in signature)
-            log.debug("#%d %s: %d tensors, %d elements, timeout=%s", self._calls, what,
-                      len(signature), total, timeout)
+            trace.call(self._calls, what, signature, timeout)
 
     def _guard(self, fn, *args):
         try:
@@ -156,8 +135,8 @@ class CollectiveEngine:
         results: List = [None] * len(arrays)
         for backend, indices in self._backends(arrays, opts):
             if self._trace:
-                log.debug("#%d %s: %d %s tensors via %s", self._calls, what, len(indices),
-                          array_kind(arrays[indices[0]]), backend.name)
+                trace.route(self._calls, what, len(indices), array_kind(arrays[indices[0]]),
+                            backend.name)
             for index, result in zip(indices, self._guard(call, backend, indices)):
                 results[index] = result
         return results
@@ -222,8 +201,8 @@ class CollectiveEngine:
         chosen = self._choose(call)
         self._trace_call(call.what, call.signature, timeout)
         if self._trace:
-            log.debug("#%d %s: %d %s tensors via %s", self._calls, call.what,
-                      len(call.arrays), _kinds(call.arrays), chosen.name)
+            trace.route(self._calls, call.what, len(call.arrays), _kinds(call.arrays),
+                        chosen.name)
         if self.validate and self.size > 1 and not chosen.validates:
             self._guard(agree, self.comm, call.what, call.signature, call.deadline,
                         chosen.path(call))
@@ -357,31 +336,28 @@ class CollectiveEngine:
         leaves, rebuild = flatten(value)
         arrays = [_as_array(v) for v in leaves]
         what = f"all_gather axis={axis}"
-        masked = tuple((_dtype_key(a),
-                        tuple(-1 if d == _axis_or_none(axis, a.ndim) else n
-                              for d, n in enumerate(a.shape))) for a in arrays)
-        opts, deadline = self._begin(what, masked, options)
+        opts, deadline = self._begin(what, gather_signature(arrays, axis), options)
         refuse(what, arrays, None, value)
         for index, array in enumerate(arrays):
             if array.ndim == 0:
                 raise InvalidArgumentError(
                     f"{what}: tensor {index} is a scalar (rank-0) on every rank; gather "
                     f"concatenates along an axis, so reshape it to [1] or use reduce")
-            if _axis_or_none(axis, array.ndim) is None:
+            if axis_or_none(axis, array.ndim) is None:
                 raise InvalidArgumentError(
                     f"{what}: axis {axis} is out of range for tensor {index} of shape "
                     f"{tuple(array.shape)}")
         counts = self._gather_counts(what, arrays, axis, deadline)
         results = self._run(what, arrays, opts, lambda backend, idx: backend.all_gather(
             self.comm, [arrays[i] for i in idx], [counts[i] for i in idx],
-            _axis_or_none(axis, arrays[idx[0]].ndim), deadline))
+            axis_or_none(axis, arrays[idx[0]].ndim), deadline))
         if start is not None:
             self._record(what, start, results, self._label_of(arrays, opts))
         return rebuild(results)
 
     def _gather_counts(self, what, arrays, axis, deadline) -> List[List[int]]:
         """Rows along ``axis`` of every tensor on every rank: ``counts[tensor][rank]``."""
-        mine = np.array([a.shape[_axis_or_none(axis, a.ndim)] for a in arrays], dtype=np.int64)
+        mine = np.array([a.shape[axis_or_none(axis, a.ndim)] for a in arrays], dtype=np.int64)
         table = np.empty((self.size, len(arrays)), dtype=np.int64)
         if deadline is None:
             self.comm.Allgather(mine, table)
@@ -442,13 +418,6 @@ def _kinds(arrays) -> str:
 
 
 def _nothing() -> None:
-    return None
-
-
-def _axis_or_none(axis: int, ndim: int) -> Optional[int]:
-    """``axis`` normalised into ``[0, ndim)``, or ``None`` when out of range."""
-    if -ndim <= axis < ndim:
-        return axis % ndim
     return None
 
 

@@ -27,7 +27,8 @@ from mpistrat import nest
 from mpistrat.collectives.dtypes import dtype_code
 from mpistrat.runtime.devices import array_kind
 
-__all__ = ["flatten", "leaf_names", "is_tensor", "signature_of"]
+__all__ = ["flatten", "leaf_names", "is_tensor", "signature_of", "gather_signature",
+           "axis_or_none"]
 
 _SCALARS = (float, int, complex, bool, np.ndarray, np.generic)
 
@@ -106,3 +107,23 @@ def signature_of(arrays) -> tuple:
         return signature
     return tuple((dtype if kind == "numpy" else f"{dtype_code(dtype)}@{kind}", tuple(shape))
                  for kind, (dtype, shape) in zip(kinds, signature))
+
+
+def axis_or_none(axis: int, ndim: int):
+    """``axis`` normalised into ``[0, ndim)``, or ``None`` when out of range::
+
+        >>> axis_or_none(-1, 3), axis_or_none(3, 3)
+        (2, None)
+    """
+    if -ndim <= axis < ndim:
+        return axis % ndim
+    return None
+
+
+def gather_signature(arrays, axis: int) -> tuple:
+    """``signature_of`` for a gather along ``axis``: that dimension masked (-1, it may differ
+    between ranks), device arrays with their kind."""
+    return tuple((dtype_code(a.dtype) if type(a) is np.ndarray else
+                  f"{dtype_code(a.dtype)}@{array_kind(a)}".replace("@numpy", ""),
+                  tuple(-1 if d == axis_or_none(axis, a.ndim) else n
+                        for d, n in enumerate(a.shape))) for a in arrays)

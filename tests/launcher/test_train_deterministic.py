@@ -47,17 +47,19 @@ def _ranks_of(pid):
                 kids = [int(k) for k in (task / "children").read_text().split()]
             except OSError:
                 continue
-            found += kids
+            found += [(parent, kid) for kid in kids]
             todo += kids
-    ranks = []
-    for p in found:   # the ranks themselves (python jobs/train.py ...), not the launchers
+    jobs = set()
+    for _, p in found:   # the ranks themselves (python jobs/train.py ...), not the launchers
         try:
             argv = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         if len(argv) > 1 and argv[1].decode(errors="replace") == JOB:
-            ranks.append(p)
-    return ranks
+            jobs.add(p)
+    # not a rank's own child caught between fork and exec (the checkpoint's layout child
+    # has its parent's command line until it execs)
+    return [p for parent, p in found if p in jobs and parent not in jobs]
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,7 @@ from mpistrat.collectives.validation import FOLDABLE, PAYLOAD_SLOTS, Probe, fold
 from mpistrat.runtime.devices import array_kind, capabilities, from_host, to_host
 
 __all__ = ["AllReduceCall", "Reproducible", "ProbeFold", "PlainCall", "HostOp", "ByKind",
-           "ALL_REDUCE_WHAT", "EXACT", "FOLD_SCALARS"]
+           "each_group", "ALL_REDUCE_WHAT", "EXACT", "FOLD_SCALARS"]
 
 ALL_REDUCE_WHAT = {op: f"all_reduce {op.name}" for op in ReduceOp}
 EXACT = (ReduceOp.SUM, ReduceOp.MEAN)
@@ -329,10 +329,20 @@ class ByKind:
             for kind, indices in groups.items()]
 
     def run(self, call: AllReduceCall) -> List:
-        results: List = [None] * len(call.arrays)
-        for backend, indices in self.backends(call.arrays, call.opts):
-            for index, result in zip(indices, backend.all_reduce(
-                    self.comm, [call.arrays[i] for i in indices], call.op, call.opts,
-                    call.deadline)):
-                results[index] = result
-        return results
+        return each_group(self.backends(call.arrays, call.opts), len(call.arrays),
+                          lambda backend, indices: backend.all_reduce(
+                              self.comm, [call.arrays[i] for i in indices], call.op,
+                              call.opts, call.deadline))
+
+
+def each_group(groups, count: int, run: Callable[[Any, Any], List]) -> List:
+    """``run(backend, indices)`` for each ``(backend, indices)`` group of ``count`` arrays,
+    the results put back in the arrays' order (one group of them all: its results as
+    they are)."""
+    if len(groups) == 1 and len(groups[0][1]) == count:
+        return run(*groups[0])
+    results: List = [None] * count
+    for backend, indices in groups:
+        for index, result in zip(indices, run(backend, indices)):
+            results[index] = result
+    return results

@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from mpistrat.collectives.allreduce_ops import (ALL_REDUCE_WHAT, FOLD_SCALARS, AllReduceCall,
                                                 ByKind, HostOp, PlainCall, ProbeFold,
-                                                Reproducible)
+                                                Reproducible, each_group)
 from mpistrat.collectives.backends import select_backend
 from mpistrat.collectives.buffer_pool import default_cap
 from mpistrat.collectives.deadline import Deadline, wait_all
@@ -132,14 +132,12 @@ class CollectiveEngine:
 
     def _run(self, what, arrays, opts, call):
         """Group ``arrays`` by kind, run ``call(backend, indices)`` per group."""
-        results: List = [None] * len(arrays)
-        for backend, indices in self._backends(arrays, opts):
+        def traced(backend, indices):
             if self._trace:
                 trace.route(self._calls, what, len(indices), array_kind(arrays[indices[0]]),
                             backend.name)
-            for index, result in zip(indices, self._guard(call, backend, indices)):
-                results[index] = result
-        return results
+            return self._guard(call, backend, indices)
+        return each_group(self._backends(arrays, opts), len(arrays), traced)
 
     def _backends(self, arrays, opts):
         if all(type(a) is np.ndarray for a in arrays):  # the common case: one host group

@@ -108,6 +108,7 @@ if bash scripts/setup.sh --mpi mpich; then
         [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
         timeout --kill-after=15 600 "$PY" -m pytest -q --color=no -p no:cacheprovider --timeout=300 \
             --timeout-method=thread tests/launcher/test_info.py tests/launcher/test_health_jobs.py \
+            tests/launcher/test_health_strangers.py \
             tests/launcher/test_settings_jobs.py tests/launcher/test_checkpoint_signals.py \
             tests/launcher/test_train_job.py -k "not same_global_batch" 2>&1 \
             | grep -av '^\[Gloo\]' | tee "$logs/mpich-jobs.log"

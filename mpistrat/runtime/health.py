@@ -46,7 +46,7 @@ from mpi4py import MPI
 
 from mpistrat.runtime import settings, wait_sites
 from mpistrat.runtime.peer_links import (Link, accept_ranks, dial, listen, local_addresses,
-                                         short, tune, valid_message)
+                                         place, short, tune, valid_message)
 
 __all__ = ["HealthCheck", "start", "current", "announce_abort", "EXIT_CODE"]
 
@@ -69,9 +69,11 @@ def current() -> Optional["HealthCheck"]:
 class HealthCheck:
     """The watch of one rank: rank 0 holds a link to every rank, the others one to rank 0."""
 
-    def __init__(self, comm: MPI.Comm, peers: List[tuple], timeout: float, grace: float):
+    def __init__(self, comm: MPI.Comm, peers: List[tuple], timeout: float, grace: float,
+                 places: Optional[List[tuple]] = None):
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.peers = peers                     # (host, pid) of every rank
+        self.places = places or [place()] * self.size   # where each rank reaches loopback
         self.timeout, self.grace = timeout, grace
         self.pid = os.getpid()
         self.left: Dict[int, str] = {}         # rank -> why, for ranks that left normally
@@ -93,15 +95,13 @@ class HealthCheck:
     # -- start (collective) ------------------------------------------------------------
     def connect(self, comm: MPI.Comm) -> Optional[str]:
         """Open the links; an error text (the check then stays off everywhere), or ``None``.
-        Rank 0 listens only on the addresses it offers; the offer and a random token go to
-        the ranks over MPI, and only a connection that says the token joins
-        (``peer_links.accept_ranks``)."""
+        Rank 0 listens only where the ranks are (``listen_addresses``); the offer and a
+        random token go to the ranks over MPI, and only a connection that says the token
+        joins (``peer_links.accept_ranks``)."""
         listeners = []
         try:
             if self.rank == 0:
-                forced = settings.get("MPISTRAT_COORDINATOR_HOST")
-                listeners = listen(([forced] if forced else []) + local_addresses(),
-                                   self.size + 64)   # (room beside connections of others)
+                listeners = listen(self.listen_addresses(), self.size + 64)
                 token = secrets.token_hex(16)
                 comm.bcast((token, [(address, port) for _, address, port in listeners]), root=0)
                 links, error = accept_ranks([sock for sock, _, _ in listeners], token,
@@ -110,9 +110,9 @@ class HealthCheck:
                     self._add(link)
                 return error
             token, offer = comm.bcast(None, root=0)
-            if self.peers[self.rank][0] == self.peers[0][0]:   # rank 0's host: loopback first
+            if self.places[self.rank] == self.places[0]:   # rank 0's host: loopback first
                 offer = sorted(offer, key=lambda pair: not pair[0].startswith("127."))
-            link, tried = dial(offer, token, self.rank)
+            link, tried = dial(offer, token, self.rank, CONNECT_SECONDS)
             if link is None:
                 return f"rank {self.rank} could not reach rank 0 at {tried}"
             self._add(link)
@@ -122,6 +122,18 @@ class HealthCheck:
         finally:
             for sock, _, _ in listeners:
                 sock.close()
+
+    def listen_addresses(self) -> List[str]:
+        """Where rank 0 listens: loopback alone when every rank shares its host (its network
+        namespace); else ``MPISTRAT_COORDINATOR_HOST`` or its interfaces' addresses, with
+        loopback only when some rank shares its host."""
+        local = [r for r in range(1, self.size) if self.places[r] == self.places[0]]
+        if len(local) == self.size - 1:
+            return ["127.0.0.1"]
+        forced = settings.get("MPISTRAT_COORDINATOR_HOST")
+        outside = [forced] if forced else [a for a in local_addresses()
+                                           if not a.startswith("127.")]
+        return outside + (["127.0.0.1"] if local else [])
 
     def _add(self, link: Link) -> None:
         tune(link.sock, self.timeout)
@@ -322,22 +334,24 @@ def start(comm: MPI.Comm) -> Optional[HealthCheck]:
     if comm.Get_size() == 1:
         return None
     on = settings.get("MPISTRAT_HEALTH_CHECK")
-    facts = comm.allgather((on, socket.gethostname(), os.getpid()))
+    facts = comm.allgather((on, socket.gethostname(), os.getpid(), place()))
     if len({f[0] for f in facts}) > 1:
         raise settings.SettingError(
             "MPISTRAT_HEALTH_CHECK differs between ranks (on at ranks "
             f"{[r for r, f in enumerate(facts) if f[0]]}, off at the others): set it alike")
     if not on:
         return None
-    check = HealthCheck(comm, [f[1:] for f in facts], settings.get("MPISTRAT_HEALTH_TIMEOUT"),
-                        settings.get("MPISTRAT_HEALTH_LEAVE_GRACE"))
+    check = HealthCheck(comm, [f[1:3] for f in facts], settings.get("MPISTRAT_HEALTH_TIMEOUT"),
+                        settings.get("MPISTRAT_HEALTH_LEAVE_GRACE"), [f[3] for f in facts])
     errors = [e for e in comm.allgather(check.connect(comm)) if e]
     if errors:
         check.close()
         if comm.Get_rank() == 0:
-            warnings.warn(f"mpistrat health check off: {'; '.join(errors)} (set "
-                          f"MPISTRAT_COORDINATOR_HOST to an address of rank 0 every rank can "
-                          f"reach, or MPISTRAT_HEALTH_CHECK=0)", stacklevel=2)
+            warnings.warn(f"mpistrat health check off: {'; '.join(errors)} (rank 0 listened "
+                          f"on {', '.join(check.listen_addresses())}; if a rank cannot route "
+                          f"there, set MPISTRAT_COORDINATOR_HOST to an address of rank 0 every "
+                          f"rank can reach; MPISTRAT_HEALTH_CHECK=0 turns the check off)",
+                          stacklevel=2)
         return None
     _current["check"] = check
     check._thread.start()

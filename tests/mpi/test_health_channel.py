@@ -2,7 +2,11 @@
 only on the addresses it offers, and a connection joins only with the job's token, sent over
 MPI. A hostile process in rank 0's host that finds the port while the ranks connect and sends
 `abort`, `end`, garbage, a hello without the token, a line that claims 1 GB and never ends,
-or nothing at all, is dropped and logged; the ranks join and nothing ends."""
+or nothing at all, is dropped and logged; the ranks join and nothing ends. A hello whose token
+holds a lone surrogate is one more dropped connection (it once raised past the hello check and
+ended the job), and a flood of silent connections, more than rank 0 keeps waiting at once, costs
+the flooder its own connections: the ranks still join (issue 42). The same attacks from another
+user's processes, against real launches: tests/launcher/test_health_strangers.py."""
 
 import os
 import socket
@@ -12,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from mpistrat.runtime import health
+from mpistrat.runtime import health, peer_links
 
 pytestmark = pytest.mark.numpy_only("sockets of the health check")
 
@@ -23,10 +27,13 @@ ATTACKS = {
     "no token": b'{"t": "hello", "rank": 1}\n',
     "1 GB claim": b'{"t": "hello", "length": 1000000000, "data": "' + b"x" * (4 << 20),
     "silent": b"",
+    "surrogate": b'{"t": "hello", "rank": 1, "token": "\\ud800"}\n',
+    "huge rank": b'{"t": "hello", "rank": 1e999, "token": "x"}\n',
 }
 WORDS = {"abort": "lacks this job's token", "end": "lacks this job's token",
          "garbage": "not JSON", "no token": "lacks this job's token",
-         "1 GB claim": "without a hello", "silent": "no hello when the ranks had joined"}
+         "1 GB claim": "without a hello", "silent": "no hello when the ranks had joined",
+         "surrogate": "lacks this job's token", "huge rank": "lacks this job's token"}
 
 
 def _listening() -> set:
@@ -47,6 +54,12 @@ def _listening() -> set:
                 address, port = cols[1].split(":")
                 found.add((socket.inet_ntoa(bytes.fromhex(address)[::-1]), int(port, 16)))
     return found
+
+
+def _check(comm):
+    """A health check over ``comm`` with every rank's real host, pid and place."""
+    facts = comm.allgather((socket.gethostname(), os.getpid(), peer_links.place()))
+    return health.HealthCheck(comm, [f[:2] for f in facts], 10.0, 3.0, [f[2] for f in facts])
 
 
 def _attack(before: set, outcome: dict) -> None:
@@ -73,8 +86,7 @@ def _attack(before: set, outcome: dict) -> None:
 @pytest.mark.mpi(min_size=2)
 def test_hostile_connections_during_start_up_are_dropped_and_the_ranks_join(world):
     comm = world.comm.Dup()
-    facts = comm.allgather((socket.gethostname(), os.getpid()))
-    check = health.HealthCheck(comm, facts, 10.0, 3.0)
+    check = _check(comm)
     outcome: dict = {}
     try:
         if world.rank == 0:
@@ -93,6 +105,8 @@ def test_hostile_connections_during_start_up_are_dropped_and_the_ranks_join(worl
             texts = [str(w.message) for w in caught]
             assert outcome["targets"] and all(not a.startswith("0.0.0.0")
                                               for a, _ in outcome["targets"])
+            if len(set(check.places)) == 1:   # every rank on rank 0's host: loopback only
+                assert {a for a, _ in outcome["targets"]} == {"127.0.0.1"}, outcome
             for name, words in WORDS.items():
                 assert sum(words in t for t in texts) >= 1, (name, texts)
             assert len(texts) >= len(WORDS) * len(outcome["targets"]), texts
@@ -105,6 +119,66 @@ def test_hostile_connections_during_start_up_are_dropped_and_the_ranks_join(worl
                 assert link.receive() == [{"t": "leave", "why": "test"}], rank
         total = world.comm.allreduce(world.rank + 1)
         assert total == world.size * (world.size + 1) // 2
+    finally:
+        check.close()
+        comm.Free()
+
+
+def _flood(before: set, outcome: dict, count: int) -> None:
+    """Wait for rank 0's listeners, then hold ``count`` silent connections to each, opening
+    a new one whenever rank 0 closes one, until the ranks have joined."""
+    deadline = time.monotonic() + 10
+    targets = set()
+    while not targets and time.monotonic() < deadline:
+        targets = _listening() - before
+        time.sleep(0.001)
+    outcome["targets"] = sorted(targets)
+    held, opened = [], 0
+    for target in sorted(targets):
+        for _ in range(count):
+            try:
+                held.append(socket.create_connection(target, timeout=5))
+                opened += 1
+            except OSError:
+                break
+    outcome["opened"] = opened
+    outcome["flooded"].set()
+    outcome["done"].wait(20)
+    for sock in held:
+        sock.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_flood_of_silent_connections_costs_the_flooder_and_the_ranks_join(world):
+    comm = world.comm.Dup()
+    check = _check(comm)
+    count = peer_links.MAX_PENDING + 100
+    outcome: dict = {"flooded": threading.Event(), "done": threading.Event()}
+    try:
+        if world.rank == 0:
+            flooder = threading.Thread(target=_flood, args=(_listening(), outcome, count))
+            flooder.start()
+            with pytest.warns(UserWarning) as caught:
+                error = check.connect(comm)
+            outcome["done"].set()
+            flooder.join()
+        else:
+            time.sleep(2.5)          # the flood is in place before the ranks dial
+            error = check.connect(comm)
+        assert error is None, error
+        assert sorted(check._links) == ([0] if world.rank else list(range(1, world.size)))
+        if world.rank == 0:
+            assert outcome["opened"] >= count, outcome
+            texts = [str(w.message) for w in caught]
+            assert any("without a hello (the oldest goes)" in t for t in texts), texts
+            assert any("more connections that proved nothing" in t for t in texts), texts
+            assert len(texts) <= peer_links.WARNED_DROPS + 1, len(texts)
+        if world.rank:   # the links are the ranks': a message from each reaches rank 0
+            check._links[0].send({"t": "leave", "why": "flood test"})
+        else:
+            for rank, link in check._links.items():
+                link.sock.settimeout(10)
+                assert link.receive() == [{"t": "leave", "why": "flood test"}], rank
     finally:
         check.close()
         comm.Free()

@@ -4,12 +4,17 @@ Keras 3 refuses ``BatchNormalization(synchronized=True)`` outside TensorFlow ("o
 with the TensorFlow backend"); under a strategy each replica would normalise with its own
 rows' statistics. ``ms.keras_support.SyncBatchNormalization`` (the same arguments) computes, in
 training, the mean and variance of the whole global batch, as TensorFlow's synchronized
-layer does: each replica's sum, sum of squares and count are summed over the ranks (one
-all-reduce of ``2C + 1`` numbers per layer and step, in the ordered host callback of
-``ms.nn``), ``mean = sum / count``, ``variance = sum_sq / count - mean^2``. The backward
-pass sums the replicas' gradients of those totals (weighted by their rows, as ``fit``
-weights the replicas' gradients), so the update is the one a single process would compute on
-the global batch. Inference uses the moving statistics, as always::
+layer does, in two passes (two all-reduces per layer and step, in the ordered host callback
+of ``ms.nn``; a replica without rows joins both): each replica's sums and count are summed
+over the ranks (``C + 1`` numbers), ``mean = sum / count``; then each replica's sum of
+squared deviations from that global mean (``C`` numbers), ``variance = total / count``.
+Unlike ``E[x^2] - mean^2``, which cancels to nothing for features far from 0 (mean 5000, std
+1: ``x^2`` is ~2.5e7 and float32 keeps it to ~2, so the variance came out as rounding noise,
+0 to a few units, and a 0 divided by ``sqrt(epsilon)``), this is exact to float32 rounding at
+any offset, as Keras's own ``jnp.var`` is. The backward pass sums the replicas' gradients of
+those totals (weighted by their rows, as ``fit`` weights the replicas' gradients), so the
+update is the one a single process would compute on the global batch. Inference uses the
+moving statistics, as always::
 
     strategy = ms.MultiWorkerMirroredStrategy()
     with strategy.scope():
@@ -90,16 +95,18 @@ def sync_batch_normalization_class():
             count = 1
             for axis in axes:
                 count *= inputs.shape[axis]
-            local = ops.concatenate([ops.sum(inputs, axis=axes),
-                                     ops.sum(ops.square(inputs), axis=axes),
-                                     jnp.full((1,), count, inputs.dtype)])
             rows = jnp.asarray(inputs.shape[0], jnp.float32)
-            totals = _global_sum(strategy)(local, rows)
-            channels = (local.shape[0] - 1) // 2
-            number = totals[-1]
-            mean = totals[:channels] / number
-            variance = ops.maximum(totals[channels:2 * channels] / number - ops.square(mean),
-                                   0.0)   # (E[x^2] - mean^2 may round below 0, as in TF)
+            total = _global_sum(strategy)
+            sums = total(ops.concatenate([ops.sum(inputs, axis=axes),
+                                          jnp.full((1,), count, inputs.dtype)]), rows)
+            number = sums[-1]
+            mean = sums[:-1] / number
+            # Second pass: squared deviations from the global mean, never E[x^2] - mean^2
+            # (which cancels catastrophically when |mean| >> std).
+            shape = [1 if i in axes else inputs.shape[i] for i in range(len(inputs.shape))]
+            deviations = ops.square(inputs - ops.reshape(mean, shape))
+            variance = ops.maximum(total(ops.sum(deviations, axis=axes), rows) / number,
+                                   0.0)   # (a sum of squares: >= 0 already; kept as in TF)
             return mean, variance
 
         def get_config(self):

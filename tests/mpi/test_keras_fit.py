@@ -358,6 +358,86 @@ def test_sync_batch_normalization_trains_as_one_process_on_the_global_batch(worl
     assert clone.layers[1].get_config()["synchronized"] is True
 
 
+OFFSETS = np.array([4012.34, 5000.57, 5987.65])
+
+
+def far_from_zero(rows):
+    """Features of mean ~5000 and std 1 over the batch (float32): there E[x^2] - mean^2
+    cancels to rounding noise. (Standardised: a 4-row draw may have std 0.1, and Keras's normalisation
+    ``x * inv - mean * inv`` then loses 4e-3 at this offset, whatever the moments.)"""
+    z = np.random.default_rng(44).standard_normal((rows, len(OFFSETS)))
+    return (OFFSETS + (z - z.mean(axis=0)) / z.std(axis=0)).astype(np.float32)
+
+
+def rebatch_slice(rows, world):
+    """This rank's rows of a global batch (the DATA split: slices of ceil(rows / N) rows in
+    rank order, the last non-empty one takes the rest, later ranks get none)."""
+    per = -(-rows // world.size)
+    start = min(world.rank * per, rows)
+    return slice(start, min(start + per, rows))
+
+
+def synchronized_bn(strategy):
+    """A built SyncBatchNormalization on its synchronised path at any width (at 1 rank it
+    would otherwise be Keras's own layer)."""
+    from mpistrat.keras_sync_bn import _STRATEGY_OF
+    with strategy.scope():
+        layer = ms.keras_support.SyncBatchNormalization()
+    _STRATEGY_OF[layer] = strategy
+    layer.build((None, len(OFFSETS)))
+    return layer
+
+
+@pytest.mark.mpi(min_size=1)
+def test_sync_batch_normalization_variance_of_offset_features_is_near_1_not_0(world):
+    """Issue 44: the variance was E[x^2] - mean^2 in float32; at mean 5000, std 1 (x^2 ~
+    2.5e7, kept to ~2) it came out as rounding noise (0, or 8 for a true 1). The
+    synchronised moments now match float64."""
+    import jax.numpy as jnp
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x = far_from_zero(ROWS)
+    mean, variance = synchronized_bn(strategy)._moments(
+        jnp.asarray(x[rebatch_slice(ROWS, world)]), None)
+    exact = x.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(mean), exact.mean(axis=0), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(variance), exact.var(axis=0), rtol=1e-3)
+    np.testing.assert_allclose(np.asarray(variance), 1.0, atol=1e-2)   # not ~0
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("rows", [ROWS, 4])
+def test_sync_batch_normalization_is_exact_for_features_far_from_zero(world, rows):
+    """Issue 44: with that variance the outputs were off by up to ~30 times (a variance of 0
+    divides by sqrt(epsilon)). Now the squared deviations from the global mean are
+    all-reduced: each rank's output and input gradient (of the loss fit uses, weighted by
+    rows) match float64 NumPy on the global batch (20 rows: 7/7/6 at 3 ranks; 4 rows: 2/2/0, the
+    empty replica joining every all-reduce, forward and backward)."""
+    import jax
+    import jax.numpy as jnp
+    strategy = ms.MultiWorkerMirroredStrategy()
+    layer = synchronized_bn(strategy)
+    x = far_from_zero(rows)
+    cotangent = np.random.default_rng(5).standard_normal(x.shape).astype(np.float32)
+    mine = rebatch_slice(rows, world)
+    own = mine.stop - mine.start
+    trainable = [v.value for v in layer.trainable_variables]
+    non_trainable = [v.value for v in layer.non_trainable_variables]
+
+    def loss(inputs):   # this replica's mean over its rows, as in fit
+        out, _ = layer.stateless_call(trainable, non_trainable, inputs, training=True)
+        return jnp.sum(out * cotangent[mine]) / max(own, 1), out
+
+    grad, out = jax.grad(loss, has_aux=True)(jnp.asarray(x[mine]))
+    grad = np.asarray(grad) * own / rows     # fit weights each replica's gradient by its rows
+    exact = x.astype(np.float64)
+    std = np.sqrt(exact.var(axis=0) + layer.epsilon)
+    normalized = (exact - exact.mean(axis=0)) / std
+    c = cotangent.astype(np.float64)
+    want = (c - c.mean(axis=0) - normalized * (c * normalized).mean(axis=0)) / (rows * std)
+    np.testing.assert_allclose(np.asarray(out), normalized[mine], rtol=1e-3, atol=2e-3)
+    np.testing.assert_allclose(grad, want[mine], rtol=1e-3, atol=1e-3 * np.abs(want).max())
+
+
 @pytest.mark.mpi(min_size=1)
 def test_callbacks_that_write_files_write_once_from_rank_0(world, shared_dir):
     """Before, ModelCheckpoint on every rank failed with HDF5's 'unable to lock file, errno =

@@ -8,6 +8,16 @@ that ``compile`` is Keras's own, still compiles the models it loads):
 * ``compile`` inside ``strategy.scope()`` distributes the model
   (``keras_support.distribute_model``), and so does a compile with an optimizer from
   ``mpistrat.horovod.DistributedOptimizer`` (each rank its own rows);
+* a Keras optimizer's ``apply_gradients`` inside ``strategy.run`` of several replicas sums
+  the gradients over the replicas first, as TensorFlow's optimizers do in a replica context
+  (the custom-loop tutorial scales its loss by the global batch, so the sum is the mean);
+  ``skip_gradients_aggregation=True`` (or ``experimental_aggregate_gradients=False``)
+  applies this replica's own, as there;
+* a Keras metric made inside the scope of a strategy of several replicas is read as
+  TensorFlow's (SyncOnRead, SUM) are: ``result()`` in cross-replica context sums its state
+  over the replicas (collective: every rank reads it), inside ``strategy.run`` it is this
+  replica's own; a distributed ``fit``/``evaluate`` already keeps global sums and reads them
+  as they are;
 * ``fit`` of a model that was not distributed is refused with a ``ValueError`` while a
   data-parallel strategy of several replicas exists: it would train a separate copy on every
   rank and average nothing, silently (a model compiled outside the scope, or before the
@@ -18,11 +28,15 @@ that ``compile`` is Keras's own, still compiles the models it loads):
 """
 
 import sys
+import threading
 from typing import Any
 
-__all__ = ["install", "on_scope", "refuse_undistributed_fit", "train_alone"]
+__all__ = ["install", "on_scope", "refuse_undistributed_fit", "train_alone", "global_metrics"]
 
 _INSTALLED = False
+_LOCAL = threading.local()   # .reading: a metric's result() is being read (nested reads of
+                             # its sub-metrics see the sums already); .global_state: the
+                             # metrics hold global sums (a distributed fit or evaluate)
 
 
 def on_scope() -> None:
@@ -66,7 +80,116 @@ def install() -> None:
     compiles.compile = compile
     fits = _defining_class(keras.Model, "fit")
     fits.fit = _guarded_fit(fits.fit)
+    applies = _defining_class(keras.optimizers.Optimizer, "apply_gradients")
+    applies.apply_gradients = _aggregating_apply(applies.apply_gradients)
+    metrics = _defining_class(keras.metrics.Metric, "__init__")
+    metrics.__init__ = _noting_init(metrics.__init__)
+    results = keras.metrics.Metric
+    for cls in set(_subclasses(results)) | {results}:
+        if "result" in cls.__dict__:
+            cls.result = _sync_on_read(cls.__dict__["result"])
     _INSTALLED = True
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+def _replicas_context():
+    """The replica context of ``strategy.run`` under a strategy of several replicas, else
+    ``None``."""
+    from mpistrat.distribute.context import get_replica_context, in_cross_replica_context
+    if in_cross_replica_context():
+        return None
+    context = get_replica_context()
+    if context is None or context.num_replicas_in_sync <= 1:
+        return None
+    return context
+
+
+def _aggregating_apply(original):
+    def apply_gradients(self, grads_and_vars, *args, skip_gradients_aggregation=False,
+                        experimental_aggregate_gradients=True, **kwargs):
+        context = _replicas_context()
+        if context is not None and not skip_gradients_aggregation and \
+                experimental_aggregate_gradients and _horovod_strategy(self) is None:
+            pairs = list(grads_and_vars)
+            present = [g for g, _ in pairs if g is not None]
+            summed = iter(context.all_reduce("SUM", present) if present else [])
+            grads_and_vars = [(None if g is None else next(summed), v) for g, v in pairs]
+        return original(self, grads_and_vars, *args, **kwargs)
+
+    apply_gradients.__doc__ = original.__doc__
+    apply_gradients.__wrapped__ = original
+    return apply_gradients
+
+
+def _noting_init(original):
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        from mpistrat.distribute.context import get_strategy, has_strategy
+        strategy = get_strategy() if has_strategy() else None
+        if strategy is not None and strategy.num_replicas_in_sync > 1 and \
+                getattr(strategy.extended, "variable_class", None) is None:
+            self._mpistrat_sync_on_read = strategy
+
+    __init__.__doc__ = original.__doc__
+    return __init__
+
+
+def _sync_on_read(original):
+    def result(self, *args, **kwargs):
+        strategy = getattr(self, "_mpistrat_sync_on_read", None)
+        if strategy is None or getattr(_LOCAL, "reading", False) or \
+                getattr(_LOCAL, "global_state", False) or _replicas_context() is not None \
+                or _in_stateless_scope():
+            return original(self, *args, **kwargs)
+        variables = list(self.variables)
+        local = [v.value for v in variables]
+        summed = strategy.extended.engine.all_reduce(
+            [_host(x) for x in local], "SUM") if local else []
+        _LOCAL.reading = True
+        try:
+            for variable, value in zip(variables, summed):
+                variable.assign(value)
+            return original(self, *args, **kwargs)
+        finally:
+            for variable, value in zip(variables, local):
+                variable.assign(value)
+            _LOCAL.reading = False
+
+    result.__doc__ = original.__doc__
+    result.__wrapped__ = original
+    return result
+
+
+def _host(value):
+    import numpy as np
+    return np.asarray(value)
+
+
+def _in_stateless_scope() -> bool:
+    from keras import backend
+    probe = getattr(backend, "in_stateless_scope", None)
+    if probe is None:
+        from keras.src.backend.common.stateless_scope import in_stateless_scope as probe
+    return bool(probe())
+
+
+class global_metrics:
+    """Within it, metrics made in a scope hold global sums already (a distributed ``fit``,
+    ``evaluate`` or ``predict``): ``result()`` reads them as they are."""
+
+    def __enter__(self):
+        self._before = getattr(_LOCAL, "global_state", False)
+        _LOCAL.global_state = True
+        return self
+
+    def __exit__(self, *exc):
+        _LOCAL.global_state = self._before
+        return False
 
 
 def _horovod_strategy(optimizer: Any) -> Any:

@@ -53,6 +53,7 @@ import numpy as np
 from mpistrat.keras_callbacks import for_fit
 from mpistrat.keras_checks import (_is_arrays, _refuse_sum_reduction, _rows,  # noqa: F401
                                    _split_off, same_arrays_everywhere, same_steps_everywhere)
+from mpistrat.keras_hooks import global_metrics
 from mpistrat.keras_hooks import train_alone  # noqa: F401  (ms.keras_support.train_alone)
 from mpistrat.keras_sync_bn import synchronizes
 
@@ -291,21 +292,25 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
                 same_steps_everywhere(strategy, validation_data,
                                       kwargs.get("validation_steps"), "validation")
         callbacks = for_fit(model, strategy, callbacks, mirror_weights)
-        return cls.fit(model, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose,
-                       callbacks=callbacks, validation_data=validation_data, shuffle=False,
-                       class_weight=class_weight, sample_weight=sample_weight, **kwargs)
+        with global_metrics():   # (its metrics hold the replicas' sums already)
+            return cls.fit(model, x, y, batch_size=batch_size, epochs=epochs,
+                           verbose=verbose, callbacks=callbacks,
+                           validation_data=validation_data, shuffle=False,
+                           class_weight=class_weight, sample_weight=sample_weight, **kwargs)
 
     def evaluate(x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
                  **kwargs):
         _refuse_sum_reduction(model)
         if kwargs.get("_use_cached_eval_dataset"):
-            return cls.evaluate(model, x, y, batch_size=batch_size, verbose=verbose,
-                                sample_weight=sample_weight, **kwargs)
+            with global_metrics():
+                return cls.evaluate(model, x, y, batch_size=batch_size, verbose=verbose,
+                                    sample_weight=sample_weight, **kwargs)
         x, y, sample_weight, batch_size = share(x, y, sample_weight, batch_size, False)
         if per_rank_data:
             same_steps_everywhere(strategy, x, kwargs.get("steps"), "evaluate")
-        return cls.evaluate(model, x, y, batch_size=batch_size, verbose=verbose,
-                            sample_weight=sample_weight, **kwargs)
+        with global_metrics():
+            return cls.evaluate(model, x, y, batch_size=batch_size, verbose=verbose,
+                                sample_weight=sample_weight, **kwargs)
 
     def predict(x, batch_size=None, verbose="auto", steps=None, callbacks=None):
         if steps is not None or not _is_arrays(x) or per_rank_data:   # (not cut)

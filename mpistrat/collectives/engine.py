@@ -146,7 +146,7 @@ class CollectiveEngine:
 
     # -- the all-reduce: one table of ops ------------------------------------
     def all_reduce(self, value: Any, op, options: Optional[CommunicationOptions] = None,
-                   out: Any = None) -> Any:
+                   out: Any = None, *, label: Optional[str] = None) -> Any:
         """Combine ``value`` (a nest of arrays) element-wise over all ranks.
 
         With ``CommunicationOptions(deterministic=True)`` (or
@@ -157,9 +157,14 @@ class CollectiveEngine:
         every rank (its text, or where ``out`` lies, is part of what the ranks agree on)::
 
             grads = engine.all_reduce(grads, "SUM", out=grads)   # the caller's buffers
+
+        ``label`` (a caller's text: Horovod's tensor name, say) joins the call's name, which
+        the ranks agree on in the same probe: ranks whose labels differ raise together,
+        naming each rank's.
         """
         kind = type(value)
-        if options is None and out is None and (kind is float or kind in FOLD_SCALARS):
+        if label is None and options is None and out is None and \
+                (kind is float or kind in FOLD_SCALARS):
             total = self.reduce_scalar(op, value)  # a prepared call (None: the table's)
             if total is not None:
                 return np.asarray(total)
@@ -167,19 +172,20 @@ class CollectiveEngine:
         op = ReduceOp.from_any(op)
         flat = (kind is list or kind is tuple) and set(map(type, value)) <= _NDARRAY_ONLY
         outs = None
+        name = _labelled(ALL_REDUCE_WHAT[op], label)
         if out is not None:
             problem = out_problem(value, out)
-            what = f"{ALL_REDUCE_WHAT[op]} into out ({problem or place_of(value, out)})"
+            what = f"{name} into out ({problem or place_of(value, out)})"
             if problem is not None:   # raised on every rank (agree names each rank's text)
                 if self.validate and self.size > 1:
                     self._begin(what, (), options, "refused")
                 raise InvalidArgumentError(what)
             arrays, outs = out_lists(value, out)
         elif flat:  # a plain list or tuple of NumPy arrays: no flattening, no conversion
-            arrays, what = value, ALL_REDUCE_WHAT[op]
+            arrays, what = value, name
         else:      # any nest or JAX pytree (collectives/structure.py)
             leaves, rebuild = flatten(value)
-            arrays, what = [_as_array(v) for v in leaves], ALL_REDUCE_WHAT[op]
+            arrays, what = [_as_array(v) for v in leaves], name
         call = AllReduceCall(op, arrays, signature_of(arrays), options, self.options, outs, what,
                              True if flat else None)
         results, chosen = self._dispatch(call, value)
@@ -328,16 +334,18 @@ class CollectiveEngine:
                       "tensors": len(arrays), "ranks": self.size})
 
     def all_gather(self, value: Any, axis: int = 0,
-                   options: Optional[CommunicationOptions] = None) -> Any:
+                   options: Optional[CommunicationOptions] = None, *,
+                   label: Optional[str] = None) -> Any:
         """Concatenate ``value`` from all ranks along ``axis``, in rank order.
 
         Shapes may differ along ``axis`` only; anything else raises
         ``InvalidArgumentError`` (a ``ValueError``) on every rank, naming ranks.
+        ``label``: as ``all_reduce``'s, agreed with the call.
         """
         start = timeline.begin(value) if timeline.ON else None
         leaves, rebuild = flatten(value)
         arrays = [_as_array(v) for v in leaves]
-        what = f"all_gather axis={axis}"
+        what = _labelled(f"all_gather axis={axis}", label)
         opts, deadline = self._begin(what, gather_signature(arrays, axis), options)
         refuse(what, arrays, None, value)
         for index, array in enumerate(arrays):
@@ -368,13 +376,21 @@ class CollectiveEngine:
         return table.T.tolist()
 
     def broadcast(self, value: Any, root: int = 0,
-                  options: Optional[CommunicationOptions] = None) -> Any:
-        """Every rank receives ``root``'s ``value`` (same structure, shapes and dtypes)."""
+                  options: Optional[CommunicationOptions] = None, *,
+                  label: Optional[str] = None) -> Any:
+        """Every rank receives ``root``'s ``value`` (same structure, shapes and dtypes).
+
+        The root is part of what the ranks agree on: ranks that name different roots raise
+        together, naming each rank's; a root that is no rank raises ``InvalidArgumentError``.
+        ``label``: as ``all_reduce``'s, agreed with the call."""
         start = timeline.begin(value) if timeline.ON else None
         leaves, rebuild = flatten(value)
         arrays = [_as_array(v) for v in leaves]
-        what = f"broadcast root={root}"
+        what = _labelled(f"broadcast root={root}", label)
         opts, deadline = self._begin(what, signature_of(arrays), options)
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise InvalidArgumentError(f"{what}: the root {root!r} is not a rank (ranks are 0 "
+                                       f"to {self.size - 1})")
         refuse(what, arrays, None, value)
         results = self._run(what, arrays, opts, lambda backend, idx: backend.broadcast(
             self.comm, [arrays[i] for i in idx], root, deadline))
@@ -413,6 +429,11 @@ class CollectiveEngine:
         """Wait until every rank has arrived (honours the timeout)."""
         _, deadline = self._begin("barrier", (), options)
         self._guard(wait_all, [self.comm.Ibarrier()], deadline, "barrier")
+
+
+def _labelled(what: str, label: Optional[str]) -> str:
+    """The name the ranks agree on: ``what``, and the caller's ``label`` in parentheses."""
+    return what if label is None else f"{what} ({label})"
 
 
 def _kinds(arrays) -> str:

@@ -22,11 +22,26 @@ which is Horovod's plain average when the ranks' batches are equal) before the o
 applies them, so the weights stay the same on every rank; metrics are summed over the ranks
 (the logs are global and the same everywhere, so ``MetricAverageCallback`` leaves them as they
 are). Where Horovod hangs (ranks with different numbers of batches) every rank raises a
-``ValueError`` naming each rank's count. Not supported, and refused by name: ``Adasum``,
-``Product``, gradient compression other than none, ``backward_passes_per_step`` other than 1.
+``ValueError`` naming each rank's count.
+
+``allreduce`` gives Horovod's numbers: ``op`` is ``Average`` (the default), ``Sum``, ``Min``,
+``Max`` or ``Product`` (``average=`` the old way, never with ``op=``); ``prescale_factor``
+multiplies the input before the reduction and ``postscale_factor`` the result after it (as
+Horovod's TensorFlow op: the factors are float32; integers scaled in float64 and truncated
+toward zero, float16 in float32); ``Average`` is the sum times ``postscale / size`` under
+the same rule; ``compression=Compression.fp16`` sends floating tensors as float16 and returns
+the input's dtype. The ranks agree on the op, the factors, the compression and the ``name``
+(in the validation probe the engine sends anyway): a rank that differs makes every rank
+raise, naming each rank's. ``broadcast_object`` and ``allgather_object`` agree the root and
+the name given in the exchange that carries the objects. Not supported, and refused by name
+(``NotSupportedError``, both a ``NotImplementedError`` and a ``ValueError``): ``op=Adasum``,
+process sets other than the global one; ``DistributedOptimizer`` refuses ``Adasum``,
+``Product``, gradient compression other than none and ``backward_passes_per_step`` other
+than 1.
 """
 
 import importlib
+import operator
 from typing import Any
 
 import numpy as np
@@ -35,16 +50,104 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "cross_rank", "cross_size", "mpi_enabled", "mpi_built", "allreduce", "allgather",
            "broadcast", "broadcast_object", "allgather_object", "broadcast_variables",
            "DistributedOptimizer", "Average", "Sum", "Min", "Max", "Adasum", "Product",
-           "Compression", "callbacks"]
+           "Compression", "ProcessSet", "global_process_set", "add_process_set",
+           "remove_process_set", "NotSupportedError", "callbacks"]
 
 Average, Sum, Min, Max, Adasum, Product = "Average", "Sum", "Min", "Max", "Adasum", "Product"
-_REDUCE = {Average: "MEAN", Sum: "SUM", Min: "MIN", Max: "MAX"}
+_OPS = (Average, Sum, Min, Max, Product, Adasum)
+_ENGINE_OP = {Average: "SUM", Sum: "SUM", Min: "MIN", Max: "MAX"}   # (Average: then scaled)
+
+
+class NotSupportedError(NotImplementedError, ValueError):
+    """What Horovod offers and ``mpistrat.horovod`` does not (``op=Adasum``, process sets
+    other than the global one): refused by name, on every rank that calls it."""
+
+
+def _floating(dtype: np.dtype) -> bool:
+    """Floating in TensorFlow's sense (what Horovod's fp16 compression casts)."""
+    return dtype.kind == "f" or dtype.name == "bfloat16"
+
+
+class Compressor:
+    """Horovod's compressor interface: ``compress(tensor) -> (tensor, ctx)`` before the
+    reduction, ``decompress(tensor, ctx) -> tensor`` after it (NumPy arrays here)."""
+
+    @staticmethod
+    def compress(tensor: Any):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        return tensor
+
+
+class NoneCompressor(Compressor):
+    """No compression: the tensor travels as it is (Horovod's default)."""
+
+
+class FP16Compressor(Compressor):
+    """Floating tensors travel as float16; the result is cast back to the input's dtype
+    (other tensors travel as they are)."""
+
+    @staticmethod
+    def compress(tensor: Any):
+        value = np.asarray(tensor)
+        return (value.astype(np.float16) if _floating(value.dtype) else value), value.dtype
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        value = np.asarray(tensor)
+        return value.astype(ctx) if _floating(np.dtype(ctx)) else value
 
 
 class Compression:
-    """Horovod's gradient compression: only ``Compression.none`` (gradients travel as they are)."""
-    none = "none"
-    fp16 = "fp16"
+    """Horovod's compression choices: ``Compression.none`` (the default) and
+    ``Compression.fp16``; a class of its own with ``compress``/``decompress`` works too."""
+    none = NoneCompressor
+    fp16 = FP16Compressor
+
+
+def _compression_name(compression: Any) -> str:
+    for name in ("none", "fp16"):
+        if compression is getattr(Compression, name):
+            return f"Compression.{name}"
+    return getattr(compression, "__name__", None) or repr(compression)
+
+
+class ProcessSet:
+    """Horovod's process set. Only the global one (every rank, ``global_process_set``) is
+    supported: collectives refuse any other with ``NotSupportedError``."""
+
+    def __init__(self, ranks: Any = None):
+        self.ranks = None if ranks is None else sorted(int(r) for r in ranks)
+        self.process_set_id = 0 if ranks is None else None
+
+    def size(self) -> int:
+        return size() if self.ranks is None else len(self.ranks)
+
+    def rank(self) -> int:
+        return rank() if self.ranks is None else self.ranks.index(rank())
+
+    def included(self) -> bool:
+        return self.ranks is None or rank() in self.ranks
+
+    def __repr__(self) -> str:
+        return "global_process_set" if self.ranks is None else f"ProcessSet({self.ranks})"
+
+
+global_process_set = ProcessSet()
+
+
+def add_process_set(process_set: Any) -> Any:
+    """Refused: only the global process set is supported."""
+    raise NotSupportedError(f"hvd.add_process_set({process_set!r}): mpistrat.horovod runs "
+                            f"every collective over every rank (global_process_set only)")
+
+
+def remove_process_set(process_set: Any) -> bool:
+    """Refused: only the global process set is supported."""
+    raise NotSupportedError(f"hvd.remove_process_set({process_set!r}): mpistrat.horovod runs "
+                            f"every collective over every rank (global_process_set only)")
 
 
 _STATE: dict = {}
@@ -123,52 +226,194 @@ def _engine():
     return _strategy().extended.engine
 
 
-def _op(op: Any, average: Any) -> str:
-    if average is not None:
-        op = Average if average else Sum
-    op = Average if op is None else op
-    if op not in _REDUCE:
-        raise ValueError(f"mpistrat.horovod: op={op!r} is not supported (Average, Sum, Min, "
-                         f"Max are)")
-    return _REDUCE[op]
+def _refuse(error: type, text: str) -> None:
+    """Raise ``error(text)``. With validation on (the default) the refusal is first agreed
+    among the ranks like a collective of that name, so ranks that call the same way all
+    raise it, and a rank refused while the others call a collective makes every rank raise,
+    naming what each called, instead of leaving them waiting."""
+    _engine().agree(f"refused: {text}", ())
+    raise error(text)
+
+
+def _check_process_set(what: str, process_set: Any) -> None:
+    """Only the global process set (or ``None``): anything else is refused by name."""
+    if process_set is None or process_set is global_process_set or \
+            getattr(process_set, "process_set_id", None) == 0:
+        return
+    _refuse(NotSupportedError, f"{what}: process_set={process_set!r} is not supported; "
+                               f"mpistrat.horovod runs every collective over every rank "
+                               f"(global_process_set)")
+
+
+def _reduction(what: str, op: Any, average: Any) -> str:
+    """Horovod's op from ``op`` and the older ``average``: giving both is an error."""
+    if isinstance(average, str):
+        _refuse(TypeError, f"{what}: average={average!r} is text; pass the tensor's name as "
+                           f"name=... (horovod.tensorflow.keras takes it second)")
+    if op is not None and average is not None:
+        _refuse(ValueError, f"{what}: op={op!r} and average={average!r}: op supersedes "
+                            f"average, so give only one of them")
+    if op is None:
+        op = Sum if average is not None and not average else Average
+    if op == Adasum:
+        _refuse(NotSupportedError, f"{what}: op=Adasum is not supported by mpistrat.horovod "
+                                   f"(Average, Sum, Min, Max and Product are)")
+    if op not in _OPS:
+        _refuse(ValueError, f"{what}: op={op!r} is not one of Horovod's reductions (Average, "
+                            f"Sum, Min, Max, Product)")
+    return op
+
+
+def _factor(what: str, keyword: str, value: Any) -> float:
+    """A scale factor as Horovod's TensorFlow op holds it: a float32."""
+    try:
+        return float(np.float32(float(value)))
+    except (TypeError, ValueError):
+        _refuse(TypeError, f"{what}: {keyword}={value!r} is not a number")
+
+
+def _compressor(what: str, compression: Any) -> Any:
+    if compression is None:
+        return Compression.none
+    if callable(getattr(compression, "compress", None)) and \
+            callable(getattr(compression, "decompress", None)):
+        return compression
+    _refuse(ValueError, f"{what}: compression={compression!r} is not a compressor "
+                        f"(Compression.none, Compression.fp16, or a class with compress and "
+                        f"decompress)")
+
+
+def _scale(value: np.ndarray, factor: float) -> np.ndarray:
+    """``value`` times ``factor`` as Horovod scales a buffer: float64 (and complex128) in
+    float64; float32 (and complex64) times the factor as a float32; narrower floats in float32,
+    rounded back; integers in float64, truncated toward zero. Other dtypes are left for the
+    collective to refuse (on every rank, after the ranks agreed on them)."""
+    dtype = value.dtype
+    if dtype.kind in "iub":
+        return np.asarray(np.trunc(value * factor), np.float64).astype(dtype)
+    if _floating(dtype) and dtype.itemsize < 4:
+        return np.asarray(value.astype(np.float32) * np.float32(factor), np.float32).astype(dtype)
+    if dtype in (np.float32, np.complex64):
+        return np.asarray(value * np.float32(factor), dtype)
+    if dtype.kind in "fc":
+        return np.asarray(value * factor, dtype)
+    return value
+
+
+def _described(what: str, **fields: Any) -> str:
+    """``what`` and the fields that are set (not None): the text the ranks agree on."""
+    return " ".join([what] + [f"{key}={value!r}" if key == "name" else f"{key}={value}"
+                              for key, value in fields.items() if value is not None])
 
 
 def allreduce(tensor: Any, average: Any = None, name: str = None, op: Any = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
-    """The reduction of ``tensor`` over the ranks (default: the average), on every rank."""
-    value = np.asarray(tensor)
-    if prescale_factor != 1.0:
-        value = value * prescale_factor
-    out = _engine().all_reduce(value, _op(op, average))
-    return out * postscale_factor if postscale_factor != 1.0 else out
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              compression: Any = Compression.none, process_set: Any = None) -> Any:
+    """The reduction of ``tensor`` over the ranks (default: the average), on every rank, by
+    Horovod's rules: ``op`` (``Average``, ``Sum``, ``Min``, ``Max``, ``Product``) or the older
+    ``average`` (not both: ``ValueError``); the input times ``prescale_factor`` before, the
+    result times ``postscale_factor`` after (``Average``: times ``postscale_factor / size``),
+    each factor a float32, integers truncated toward zero; ``compression`` on the wire, the
+    result in the input's dtype. The ranks agree on the op, the factors, the compression and
+    ``name``: a rank that differs makes every rank raise, naming each rank's::
+
+        loss = hvd.allreduce(loss, name="loss")                  # the average over the ranks
+        grads = hvd.allreduce(g, op=hvd.Sum, compression=hvd.Compression.fp16)
+    """
+    what = "hvd.allreduce"
+    _check_process_set(what, process_set)
+    op = _reduction(what, op, average)
+    pre = _factor(what, "prescale_factor", prescale_factor)
+    post = _factor(what, "postscale_factor", postscale_factor)
+    compression = _compressor(what, compression)
+    engine = _engine()
+    wire, context = compression.compress(np.asarray(tensor))
+    wire = np.asarray(wire)
+    label = _described(f"{what} op={op}", name=name,
+                       prescale_factor=pre if pre != 1.0 else None,
+                       postscale_factor=post if post != 1.0 else None,
+                       compression=None if compression is Compression.none else
+                       _compression_name(compression))
+    if pre != 1.0:
+        wire = _scale(wire, pre)
+    if op == Product:   # every rank's tensor, multiplied in rank order (in its dtype)
+        out = np.multiply.reduce(engine.all_gather(wire[None], 0, label=label), axis=0,
+                                 dtype=wire.dtype)
+    else:
+        out = engine.all_reduce(wire, _ENGINE_OP[op], label=label)
+    post = post / engine.size if op == Average else post   # Horovod's average: a postscale
+    out = np.asarray(out)
+    if post != 1.0:
+        out = _scale(out, post)
+    return np.asarray(compression.decompress(out, context))
 
 
-def allgather(tensor: Any, name: str = None) -> Any:
+def allgather(tensor: Any, name: str = None, process_set: Any = None) -> Any:
     """Every rank's ``tensor`` concatenated along the first axis, in rank order (first
-    dimensions may differ between ranks)."""
-    return _engine().all_gather(np.asarray(tensor), 0)
+    dimensions may differ between ranks). The ranks agree on ``name``."""
+    _check_process_set("hvd.allgather", process_set)
+    label = None if name is None else _described("hvd.allgather", name=name)
+    return _engine().all_gather(np.asarray(tensor), 0, label=label)
 
 
-def broadcast(tensor: Any, root_rank: int, name: str = None) -> Any:
-    """Rank ``root_rank``'s ``tensor`` on every rank."""
-    return _engine().broadcast(np.asarray(tensor), root_rank)
+def broadcast(tensor: Any, root_rank: int, name: str = None, process_set: Any = None) -> Any:
+    """Rank ``root_rank``'s ``tensor`` on every rank. The ranks agree on the root and ``name``
+    (ranks naming different roots raise, naming each rank's)."""
+    _check_process_set("hvd.broadcast", process_set)
+    label = None if name is None else _described("hvd.broadcast", name=name)
+    return _engine().broadcast(np.asarray(tensor), root_rank, label=label)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str = None) -> Any:
-    """Rank ``root_rank``'s picklable ``obj`` on every rank."""
-    return _engine().broadcast_object(obj, root_rank)
+def _differ(what: str, field: str, values: list) -> None:
+    """Raise on every rank (each holds every rank's ``values``) unless they are all equal."""
+    if any(repr(v) != repr(values[0]) for v in values[1:]):
+        from mpistrat.errors import InvalidArgumentError
+        raise InvalidArgumentError(f"{what}: ranks pass different {field}s: " + "; ".join(
+            f"rank {rank_} has {field}={value!r}" for rank_, value in enumerate(values)))
 
 
-def allgather_object(obj: Any, name: str = None) -> list:
-    """Every rank's picklable ``obj``, in rank order."""
-    return _world().comm.allgather(obj)
+def broadcast_object(obj: Any, root_rank: int = 0, name: str = None,
+                     process_set: Any = None) -> Any:
+    """Rank ``root_rank``'s picklable ``obj`` on every rank. The ranks agree on the root and
+    on ``name`` (when given) in the same exchange (no extra collective): ranks that differ
+    all raise, naming each rank's."""
+    what = "hvd.broadcast_object"
+    _check_process_set(what, process_set)
+    from mpistrat.collectives.objects import allgather_object as gather
+    engine = _engine()
+    try:
+        root = operator.index(root_rank)   # (a NumPy integer as the int it is)
+    except TypeError:
+        root = root_rank
+    mine = obj if root == engine.rank else None   # (only the root's object travels)
+    everyone = gather(engine, (root, name, mine), what)
+    _differ(what, "root_rank", [root_ for root_, _, _ in everyone])
+    _differ(what, "name", [name_ for _, name_, _ in everyone])
+    if type(root) is not int or not 0 <= root < engine.size:
+        from mpistrat.errors import InvalidArgumentError
+        raise InvalidArgumentError(f"{what}: root_rank={root_rank!r} is not a rank (ranks are "
+                                   f"0 to {engine.size - 1})")
+    return obj if root == engine.rank else everyone[root][2]
 
 
-def broadcast_variables(variables: Any, root_rank: int) -> None:
-    """Assign rank ``root_rank``'s values to ``variables`` (Keras variables) on every rank."""
+def allgather_object(obj: Any, name: str = None, process_set: Any = None) -> list:
+    """Every rank's picklable ``obj``, in rank order. The ranks agree on ``name`` (when
+    given) in the same exchange."""
+    what = "hvd.allgather_object"
+    _check_process_set(what, process_set)
+    from mpistrat.collectives.objects import allgather_object as gather
+    everyone = gather(_engine(), (name, obj), what)
+    _differ(what, "name", [name_ for name_, _ in everyone])
+    return [value for _, value in everyone]
+
+
+def broadcast_variables(variables: Any, root_rank: int, process_set: Any = None) -> None:
+    """Assign rank ``root_rank``'s values to ``variables`` (Keras variables) on every rank
+    (the ranks agree on the root)."""
+    _check_process_set("hvd.broadcast_variables", process_set)
     variables = list(variables)
     values = _engine().broadcast([np.asarray(v.value if hasattr(v, "value") else v)
-                                  for v in variables], root_rank)
+                                  for v in variables], root_rank, label="hvd.broadcast_variables")
     for variable, value in zip(variables, values):
         variable.assign(value)
 
@@ -186,8 +431,9 @@ def DistributedOptimizer(optimizer: Any, name: str = None, compression: Any = Co
         opt_state = tx.init(params)       # then tx.update(grads, opt_state, params) per step
     """
     if compression not in (None, Compression.none):
-        raise ValueError(f"hvd.DistributedOptimizer: compression={compression!r} is not "
-                         f"supported; gradients travel uncompressed (Compression.none)")
+        raise ValueError(f"hvd.DistributedOptimizer: compression="
+                         f"{_compression_name(compression)} is not supported; gradients "
+                         f"travel uncompressed (Compression.none)")
     if backward_passes_per_step != 1:
         raise ValueError("hvd.DistributedOptimizer: backward_passes_per_step must be 1 here")
     if op != Average:

@@ -16,6 +16,11 @@ One replica per MPI rank; launch with ``mpirun -n N python train.py``::
     print(strategy.reduce("SUM", out, axis=None))   # N
 """
 
+import sys as _sys
+if _sys.argv[:2] == ["-m", "doctor"]:   # python -m mpistrat doctor: h5py's MPI is read from
+    from mpistrat.runtime.libraries import foreign_h5py, refuse_doctor   # its libraries first
+    if foreign_h5py():                  # (importing one built for another MPI crashes)
+        refuse_doctor(foreign_h5py())
 from mpistrat import errors, nest
 from mpistrat.runtime import install_abort_hook as _install_abort_hook
 

@@ -29,8 +29,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from mpistrat.runtime import launch_check
+from mpistrat.runtime.libraries import FIX, linked_mpi, mpi_family
 
-__all__ = ["doctor", "main", "judge_launch", "judge_layout", "judge_slurm", "render"]
+__all__ = ["doctor", "main", "judge_launch", "judge_layout", "judge_slurm", "judge_libraries",
+           "judge_threads", "judge_arrays", "mpi_family", "linked_mpi", "render"]
 
 Check = Tuple[str, str, str]          # (status: pass/fail/skip, what was found, the fix)
 def _launcher_size() -> Optional[int]:
@@ -50,6 +52,63 @@ def judge_launch(fact: Dict) -> Check:
                 "MPICC=$(which mpicc) pip install --no-binary=mpi4py mpi4py), or launch "
                 "with that MPI's own mpirun / the site's srun --mpi=...")
     return ("pass", f"{fact['mpi']}; {fact['size']} rank(s)", "")
+
+
+def judge_libraries(fact: Dict) -> Check:
+    """h5py's HDF5 is linked to the MPI that runs (one built for the other MPI, e.g. handed
+    over by pip's cache, crashes inside libhdf5 when loaded beside it)::
+
+        >>> judge_libraries({"running": "Open MPI", "h5py_mpi_lib": ("MPICH", "libmpich.so.12"),
+        ...                  "mpi4py_mpi_lib": ("Open MPI", "libmpi.so.40")})[0]
+        'fail'
+    """
+    running = fact["running"]
+    wrong = [(package, found) for package, found in (("h5py", fact["h5py_mpi_lib"]),
+                                                     ("mpi4py", fact["mpi4py_mpi_lib"]))
+             if found[0] is not None and running is not None and found[0] != running]
+    if wrong:
+        names = "; ".join(f"{package} is linked to {found[0]} ({found[1]})"
+                          for package, found in wrong)
+        return ("fail", f"{names}, but this job runs {running}; not loaded", FIX)
+    said = "; ".join(f"{package}: {found[1]}"
+                     for package, found in (("mpi4py", fact["mpi4py_mpi_lib"]),
+                                            ("h5py", fact["h5py_mpi_lib"])))
+    return ("pass", f"{running or 'an MPI not named here'}; {said}", "")
+
+
+def judge_threads(facts: Sequence[Dict]) -> Check:
+    """No more ranks on a node than the cores they may run on (the union of their
+    affinities), unless a thread count is set: otherwise each rank's BLAS/OpenMP takes
+    every core (pure)::
+
+        >>> judge_threads([{"host": "a", "cores": [0, 1], "threads_set": ""}] * 3)[0]
+        'fail'
+    """
+    worst = None
+    for fact in facts:
+        mates = [f for f in facts if f["host"] == fact["host"]]
+        cores = len(set().union(*(f["cores"] for f in mates)))   # (ranks may be bound)
+        if len(mates) > cores and not fact["threads_set"]:
+            worst = (fact["host"], len(mates), cores)
+    if worst:
+        host, ranks, cores = worst
+        return ("fail", f"{host}: {ranks} ranks on {cores} cores with OMP_NUM_THREADS and the "
+                        f"BLAS thread counts unset (each rank takes every core)",
+                f"start at most {cores} ranks per node, or set OMP_NUM_THREADS=1 (and "
+                f"OPENBLAS_NUM_THREADS/MKL_NUM_THREADS) for every rank")
+    threads = sorted({f["threads_set"] or "unset" for f in facts})
+    return ("pass", f"cores per rank fit; threads per rank: {', '.join(threads)}", "")
+
+
+def judge_arrays(fact: Dict) -> Check:
+    """The array library the job's replicas need (``--arrays``) imports."""
+    kind, error = fact["arrays"], fact["arrays_error"]
+    if kind == "numpy":
+        return ("skip", "NumPy replicas (--arrays jax or cupy checks those)", "")
+    if error:
+        return ("fail", f"--arrays {kind}: {error}",
+                f"install the extra in this environment: pip install 'mpistrat[{'jax' if kind == 'jax' else 'gpu'}]'")
+    return ("pass", f"{kind} imports", "")
 
 
 def judge_layout(facts: Sequence[Dict]) -> Check:
@@ -105,7 +164,7 @@ def _collectives(strategy, world) -> Check:
 
 def _checkpoint(directory: str, world) -> Check:
     import mpistrat as ms
-    token = world.comm.bcast(secrets.token_hex(4), root=0)
+    token, existed = world.comm.bcast((secrets.token_hex(4), os.path.isdir(directory)), root=0)
     values = {"w": np.arange(world.size * 1000, dtype=np.float32) + 0.5,
               "step": np.int64(7)}
     prefix = os.path.join(directory, f"mpistrat-doctor-{token}")
@@ -127,7 +186,9 @@ def _checkpoint(directory: str, world) -> Check:
     if not same:
         return ("fail", "the values read back differ from those written",
                 "the file system returned other bytes: try another directory")
-    return ("pass", f"{directory}: written by {world.size} rank(s), read back bit for bit", "")
+    made = "" if existed else " (it did not exist: this check created it)"
+    return ("pass", f"{directory}: written by {world.size} rank(s), read back bit for bit"
+                    f"{made}", "")
 
 
 def _devices(facts: Sequence[Dict]) -> Check:
@@ -155,12 +216,47 @@ def _h5py(facts: Sequence[Dict]) -> Check:
 
 
 # -- the command ----------------------------------------------------------------------------
-def _facts(world) -> Dict:
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _libraries() -> Dict:
+    """Which MPI runs, and which mpi4py and h5py are linked to, read before h5py loads."""
+    from mpi4py import MPI
+    version = MPI.Get_library_version()
+    running = ("MPICH" if "MPICH" in version or "Intel" in version else
+               "Open MPI" if "Open MPI" in version else None)
+    return {"running": running,
+            "h5py_mpi_lib": linked_mpi("h5py", "defs*.so"),
+            "mpi4py_mpi_lib": linked_mpi("mpi4py", "MPI*.so")}
+
+
+def _arrays(kind: str) -> Optional[str]:
+    """Why the array library of ``kind`` does not import, or ``None``."""
+    if kind == "numpy":
+        return None
+    try:
+        __import__("jax" if kind == "jax" else "cupy")
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _facts(world, arrays: str = "numpy") -> Dict:
     from mpi4py import MPI
     from mpistrat.__main__ import _clean, _gpus
     from mpistrat.runtime.devices import cuda_aware_mpi, nccl_available
     from mpistrat.runtime.gpus import choose_gpu
-    import h5py
+    libraries = _libraries()
+    threads = ", ".join(f"{v}={os.environ[v]}" for v in _THREAD_VARIABLES if os.environ.get(v))
+    base = {"cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else list(range(os.cpu_count() or 1)), "threads_set": threads, "arrays": arrays,
+            "arrays_error": _arrays(arrays), **libraries}
+    if judge_libraries(libraries)[0] == "fail":   # never load it: it would crash in libhdf5
+        h5 = {"h5py": "not loaded", "hdf5": "?", "h5py_mpi": False}
+    else:
+        import h5py
+        h5 = {"h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version,
+              "h5py_mpi": bool(h5py.get_config().mpi)}
     gpus = _gpus()["gpus"]
     device = f"GPU {choose_gpu(world.local_rank, len(gpus), os.environ).index}" if gpus \
         else "CPU"
@@ -168,9 +264,7 @@ def _facts(world) -> Dict:
             "nodes": world.num_nodes, "launcher_size": _launcher_size(),
             "mpi": _clean(MPI.Get_library_version().splitlines()[0]).split(",")[0],
             "gpus": gpus, "device": device, "cuda_aware_mpi": cuda_aware_mpi()[0] if gpus
-            else None, "nccl": nccl_available()[0] if gpus else None,
-            "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version,
-            "h5py_mpi": bool(h5py.get_config().mpi),
+            else None, "nccl": nccl_available()[0] if gpus else None, **h5, **base,
             "slurm": {k: v for k, v in os.environ.items() if k in (
                 "SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_STEP_ID", "SLURM_NNODES",
                 "SLURM_MPI_TYPE", "SLURM_JOB_PARTITION")} or None}
@@ -182,20 +276,39 @@ def _minimal_facts(world, err: BaseException) -> Dict:
             "nodes": world.num_nodes, "launcher_size": _launcher_size(),
             "mpi": f"unknown ({type(err).__name__}: {err})", "gpus": [], "device": "?",
             "cuda_aware_mpi": None, "nccl": None, "h5py": "?", "hdf5": "?", "h5py_mpi": False,
-            "slurm": None}
+            "slurm": None, "cores": [0], "threads_set": "?", "arrays": "numpy",
+            "arrays_error": None, "running": None, "h5py_mpi_lib": (None, "?"),
+            "mpi4py_mpi_lib": (None, "?")}
 
 
-def doctor(directory: str) -> Optional[List[Dict]]:
+def _settings_failed(err: BaseException) -> Optional[List[Dict]]:
+    """The table when the ranks' settings disagree (no world can be made: every rank
+    raised the same ``SettingError``)."""
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        return None
+    return [{"check": "settings", "status": "fail", "found": str(err),
+             "fix": "give every rank the same MPISTRAT_* environment (mpirun -x NAME, or "
+                    "export it before srun); docs/settings.md"}]
+
+
+def doctor(directory: str, arrays: str = "numpy") -> Optional[List[Dict]]:
     """Run every check (collective); rank 0 gets the rows ``{check, status, found, fix}``,
-    the other ranks ``None``."""
+    the other ranks ``None``. ``arrays`` names the replicas' array library (numpy, jax or
+    cupy), which must import."""
     import mpistrat as ms
     from mpistrat.runtime import get_world
-    world = get_world(refuse_singletons=False)    # a singleton start is reported, not raised
+    from mpistrat.runtime.settings import SettingError
+    try:
+        world = get_world(refuse_singletons=False)    # a singleton start is reported, not raised
+    except SettingError as err:                       # (raised alike on every rank)
+        return _settings_failed(err)
     try:   # (a rank that cannot answer still reaches every gather below: no hang)
-        fact = _facts(world)
+        fact = _facts(world, arrays)
     except Exception as err:  # noqa: BLE001 - reported in the table
         fact = _minimal_facts(world, err)
     launch = judge_launch(fact)
+    libraries = judge_libraries(fact)
     facts = world.comm.gather(fact, root=0)
     try:
         collectives = _collectives(ms.MultiWorkerMirroredStrategy(), world)
@@ -203,8 +316,12 @@ def doctor(directory: str) -> Optional[List[Dict]]:
         collectives = ("fail", f"{type(err).__name__}: {err}",
                        "a rank is unreachable or MPI failed: run python -m mpistrat info, and "
                        "see docs/troubleshooting.md")
-    checkpoint = _checkpoint(directory, world)
-    results = world.comm.gather((launch, collectives, checkpoint), root=0)
+    if world.comm.allreduce(libraries[0] == "fail"):   # h5py would crash on some rank
+        checkpoint = ("skip", "not tried: h5py is not linked to this MPI on some rank", "")
+    else:
+        checkpoint = _checkpoint(directory, world)
+    results = world.comm.gather((launch, collectives, checkpoint, libraries,
+                                 judge_arrays(fact)), root=0)
     if world.rank != 0:
         return None
     rows = []
@@ -218,9 +335,14 @@ def doctor(directory: str) -> Optional[List[Dict]]:
         rows.append({"check": name, "status": status, "found": found, "fix": fix})
 
     add("MPI launch", [r[0] for r in results])
+    rows.append({"check": "settings", "status": "pass",
+                 "found": "every rank has the same MPISTRAT_* values that must agree", "fix": ""})
+    add("libraries", [r[3] for r in results])
     add("ranks and nodes", [judge_layout(facts)])
+    add("threads", [judge_threads(facts)])
     add("collectives", [r[1] for r in results])
     add("GPUs", [_devices(facts)])
+    add("arrays", [r[4] for r in results])
     add("h5py", [_h5py(facts)])
     add("checkpoint dir", [r[2] for r in results])
     add("Slurm", [judge_slurm(facts)])
@@ -250,10 +372,12 @@ def main(argv=None) -> int:
     parser.add_argument("--dir", default=".", help="a directory the job will write checkpoints "
                                                    "to (default: the current directory)")
     parser.add_argument("--json", action="store_true", help="one JSON document on rank 0")
+    parser.add_argument("--arrays", choices=("numpy", "jax", "cupy"), default="numpy",
+                        help="the replicas' array library, which must import (default numpy)")
     args = parser.parse_args(argv)
-    from mpistrat.runtime import get_world
-    rows = doctor(args.dir)
-    failed = get_world().comm.bcast(
+    from mpi4py import MPI
+    rows = doctor(args.dir, args.arrays)
+    failed = MPI.COMM_WORLD.bcast(   # (the world may be refused: settings that disagree)
         None if rows is None else any(r["status"] == "fail" for r in rows), root=0)
     if rows is not None:
         sys.stdout.write(json.dumps({"checks": rows}, indent=1) + "\n" if args.json

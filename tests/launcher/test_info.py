@@ -6,11 +6,13 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mpi4py import MPI
 
 from mpistrat.__main__ import render
+from tests.conftest import MPIRUN
 
 # The MPI the launched ranks load: the one this process loads ("Open MPI v4.1.4, ..." or
 # "MPICH Version: 4.0.2 ...", as mpistrat info shows it), and the standard it speaks.
@@ -125,15 +127,98 @@ def _rows(output):
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_doctor_passes_on_a_working_set_up(launch, tmp_path, ranks):
-    result = launch(ranks, DOCTOR, "--dir", str(tmp_path / "ckpt"), limit=120)
+    result = launch(ranks, DOCTOR, "--dir", str(tmp_path / "ckpt"), limit=120,
+                    env={"OMP_NUM_THREADS": "1"})     # (3 ranks on 2 cores: one thread each)
     assert result.returncode == 0, result
     rows = _rows(result.output)
-    assert set(rows) == {"MPI launch", "ranks and nodes", "collectives", "GPUs", "h5py",
-                         "checkpoint dir", "Slurm"}, result
+    assert set(rows) == {"MPI launch", "settings", "libraries", "ranks and nodes", "threads",
+                         "collectives", "GPUs", "arrays", "h5py", "checkpoint dir",
+                         "Slurm"}, result
     assert rows["ranks and nodes"][1].startswith(f"{ranks} ranks on 1 node(s)"), result
     assert all(status != "FAIL" for status, _ in rows.values()), result
     assert "ready: every check passed" in result.output
+    assert "(it did not exist: this check created it)" in rows["checkpoint dir"][1], result
     assert os.listdir(tmp_path / "ckpt") == []         # it cleaned up after itself
+
+
+def _mpi_of_this_venv() -> str:
+    from mpi4py import MPI
+    return "MPICH" if "MPICH" in MPI.Get_library_version() else "Open MPI"
+
+
+def test_doctor_names_more_ranks_than_cores_with_threads_unset(tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))
+           and k not in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
+    env["PYTHONUNBUFFERED"] = "1"
+    (tmp_path / "job.py").write_text(DOCTOR)
+    done = subprocess.run([str(MPIRUN), "--limit", "120", "-n", str(cores + 1), sys.executable,
+                           str(tmp_path / "job.py"), "--dir", str(tmp_path), "--json"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 1, done.stdout + done.stderr
+    checks = {c["check"]: c for c in json.loads(done.stdout[done.stdout.index("{"):])["checks"]}
+    assert checks["threads"]["status"] == "fail", checks
+    assert f"{cores + 1} ranks on {cores} cores" in checks["threads"]["found"], checks
+    assert "OMP_NUM_THREADS=1" in checks["threads"]["fix"]
+    assert checks["collectives"]["status"] == "pass"   # the rest still ran
+
+
+def test_doctor_names_settings_that_differ_between_ranks_in_its_table_and_json(tmp_path):
+    command = [str(MPIRUN), "--limit", "120", "-n", "1", sys.executable, "-m", "mpistrat",
+               "doctor", "--dir", str(tmp_path), "--json", ":", "-n", "1", "env",
+               "MPISTRAT_VALIDATE=0", sys.executable, "-m", "mpistrat", "doctor", "--dir",
+               str(tmp_path), "--json"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))
+           and (not k.startswith("MPISTRAT_") or k == "MPISTRAT_MPI")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr, done.stdout + done.stderr
+    checks = json.loads(done.stdout[done.stdout.index("{"):])["checks"]
+    assert checks[0]["check"] == "settings" and checks[0]["status"] == "fail", checks
+    assert "MPISTRAT_VALIDATE differs between ranks" in checks[0]["found"], checks
+
+
+def test_doctor_names_missing_jax_for_jax_arrays(tmp_path):
+    """--arrays jax in an environment where jax cannot be imported (hidden by a module that
+    raises ImportError first on the path): the arrays check fails naming it."""
+    (tmp_path / "hide").mkdir()
+    (tmp_path / "hide" / "jax.py").write_text("raise ImportError('No module named jax')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+    env["PYTHONPATH"] = f"{tmp_path / 'hide'}:{Path(__file__).resolve().parents[2]}"
+    done = subprocess.run([sys.executable, "-m", "mpistrat", "doctor", "--dir", str(tmp_path),
+                           "--arrays", "jax", "--json"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    checks = {c["check"]: c for c in json.loads(done.stdout[done.stdout.index("{"):])["checks"]}
+    assert checks["arrays"]["status"] == "fail", checks
+    assert "No module named jax" in checks["arrays"]["found"], checks
+    assert "mpistrat[jax]" in checks["arrays"]["fix"]
+
+
+def test_doctor_names_an_h5py_built_for_the_other_mpi_instead_of_crashing(tmp_path):
+    """pip's cache handed this environment the other MPI's h5py (here: the other test
+    environment's h5py, first on the path): doctor reads the shared libraries before anything
+    loads it, names it with the fix and exits 1 (before: a segfault inside libhdf5)."""
+    other = ".venv" if _mpi_of_this_venv() == "MPICH" else ".venv-mpich"
+    root = Path(__file__).resolve().parents[2]
+    found = sorted((root / other).glob("lib/python3*/site-packages/h5py"))
+    if not found:
+        pytest.skip(f"{other} (the other MPI's environment) has no h5py")
+    (tmp_path / "other").mkdir()
+    os.symlink(found[0], tmp_path / "other" / "h5py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+    env["PYTHONPATH"] = f"{tmp_path / 'other'}:{root}"
+    done = subprocess.run([sys.executable, "-m", "mpistrat", "doctor", "--dir", str(tmp_path),
+                           "--json"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    checks = {c["check"]: c for c in json.loads(done.stdout[done.stdout.index("{"):])["checks"]}
+    other_mpi = "Open MPI" if other == ".venv" else "MPICH"
+    assert checks["libraries"]["status"] == "fail", checks
+    assert f"h5py is linked to {other_mpi}" in checks["libraries"]["found"], checks
+    assert "--no-cache-dir" in checks["libraries"]["fix"]
+    assert "Segmentation" not in done.stdout + done.stderr
 
 
 def test_doctor_json_is_one_document_with_every_check(launch, tmp_path):

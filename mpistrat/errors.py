@@ -19,6 +19,7 @@ __all__ = [
     "UnavailableError",
     "DataLossError",
     "AbortedError",
+    "OutOfRangeError",
 ]
 
 
@@ -52,3 +53,9 @@ class DataLossError(OpError, IOError):
 
 class AbortedError(OpError, RuntimeError):
     """An operation was aborted, e.g. after an earlier collective timed out."""
+
+
+class OutOfRangeError(OpError, IndexError):
+    """An iterator is past its end: ``DistributedIterator.get_next()`` after the last step
+    (``next()`` raises ``StopIteration`` there, as in tf.data)."""
+

@@ -102,6 +102,43 @@ class Dataset:
             tensors, [a[idx] for a in arrays]), "from_tensor_slices"))
 
     @staticmethod
+    def from_tensors(tensors: Any) -> "Dataset":
+        """One element: ``tensors`` whole (Python floats become float32, as in tf.data)::
+
+            >>> [x.tolist() for x in Dataset.from_tensors([1.5, 2.5])]
+            [[1.5, 2.5]]
+        """
+        whole = nest.map_structure(lambda a: a[np.newaxis], _lists_to_arrays(tensors))
+        return Dataset.from_tensor_slices(whole)
+
+    @staticmethod
+    def from_generator(generator: Callable, output_types: Any = None,
+                       output_shapes: Any = None, args: Any = None,
+                       output_signature: Any = None) -> "Dataset":
+        """The elements that ``generator(*args)`` yields, a new call each iteration, each
+        converted to ``output_signature`` (a structure of ``TensorSpec``; or the older
+        ``output_types``/``output_shapes``). An element of another structure or shape
+        raises ``InvalidArgumentError`` naming it, as tf.data does::
+
+            >>> spec = TensorSpec(shape=(None,), dtype=np.float32)
+            >>> ds = Dataset.from_generator(lambda: iter([[1, 2], [3]]), output_signature=spec)
+            >>> [x.tolist() for x in ds], ds.element_spec.dtype
+            ([[1.0, 2.0], [3.0]], dtype('float32'))
+        """
+        from mpistrat.data.generators import conformed, signature_of
+        signature = signature_of(output_signature, output_types, output_shapes)
+        call_args = tuple(args) if args is not None else ()
+        if not callable(generator):
+            raise TypeError(f"from_generator needs a callable that returns an iterator, "
+                            f"got {type(generator).__name__}")
+
+        def elements():
+            for index, element in enumerate(generator(*call_args)):
+                yield conformed(element, signature, index)
+
+        return Dataset(elements)
+
+    @staticmethod
     def zip(datasets: Any) -> "Dataset":
         """Elements of several datasets side by side (stops at the shortest)."""
         parts = nest.flatten(datasets)
@@ -255,9 +292,23 @@ def _to_numpy(x):
 
 
 def _lists_to_arrays(structure: Any) -> Any:
+    """Dicts and tuples are structure, anything else one array; Python floats (and lists
+    of them) become float32, as ``tf.constant`` makes them (NumPy arrays keep their dtype)."""
     if isinstance(structure, dict):
         return type(structure)((k, _lists_to_arrays(v)) for k, v in structure.items())
     if isinstance(structure, tuple):
         items = [_lists_to_arrays(v) for v in structure]
         return type(structure)(*items) if hasattr(structure, "_fields") else tuple(items)
-    return np.asarray(structure)
+    array = np.asarray(structure)
+    if array.dtype == np.float64 and _python_numbers(structure):
+        return array.astype(np.float32)
+    return array
+
+
+def _python_numbers(value: Any) -> bool:
+    """Whether ``value`` is a Python number or (nested) list of them, not NumPy's."""
+    if isinstance(value, np.generic):
+        return False
+    if isinstance(value, (bool, int, float)):
+        return True
+    return isinstance(value, list) and all(_python_numbers(v) for v in value)

@@ -62,7 +62,7 @@ from mpistrat.data.threads import prefetched
 from mpistrat.distribute.context import InputContext
 from mpistrat.distribute.options import InputOptions
 from mpistrat.distribute.strategy import register_input_distribution
-from mpistrat.errors import InvalidArgumentError
+from mpistrat.errors import InvalidArgumentError, OutOfRangeError
 from mpistrat.runtime import timeline
 
 __all__ = ["DistributedDataset", "DistributedIterator", "distribute_dataset",
@@ -163,7 +163,14 @@ class DistributedIterator:
         return self._step()
 
     def get_next(self) -> Any:
-        return next(self)
+        """The next step's value; ``ms.errors.OutOfRangeError`` past the end (on every rank
+        at the same step), as tf.data's ``get_next``."""
+        try:
+            return next(self)
+        except StopIteration:
+            raise OutOfRangeError("End of sequence: the distributed iterator has no step "
+                                  f"left after {self._steps} (get_next_as_optional() "
+                                  f"tests for the end instead)") from None
 
     def get_next_as_optional(self) -> OptionalValue:
         """The next batch as an ``Optional``: empty on every rank at the same step at the end."""

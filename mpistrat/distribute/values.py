@@ -50,6 +50,15 @@ class DistributedValues:
     def __len__(self) -> int:
         return len(self._values)
 
+    def __jax_array__(self):
+        """A distributed value handed straight to JAX (a jitted step, an Equinox model)
+        is refused by name: it holds one value per local replica, not one array."""
+        raise TypeError(
+            f"a {type(self).__name__} (one value per local replica: {len(self._values)} here) "
+            f"was passed to JAX as one array; run the step on each replica with "
+            f"strategy.run(step, args=(batch,)), or take this host's values with "
+            f"strategy.experimental_local_results(batch)")
+
     def __repr__(self) -> str:
         body = ",\n".join(f"  {rid}: {value!r}" for rid, value in zip(self._replica_ids, self._values))
         return f"{type(self).__name__}:{{\n{body}\n}}"

@@ -55,7 +55,7 @@ from mpistrat.keras_checks import (_is_arrays, _refuse_sum_reduction, _rows,  # 
                                    _split_off, same_arrays_everywhere, same_steps_everywhere)
 from mpistrat.keras_hooks import global_metrics
 from mpistrat.keras_hooks import train_alone  # noqa: F401  (ms.keras_support.train_alone)
-from mpistrat.keras_sync_bn import synchronizes
+from mpistrat.keras_sync_bn import bind as bind_sync_bn, synchronizes
 
 __all__ = ["distribute_model", "mirror_weights", "train_alone", "SyncBatchNormalization"]
 
@@ -192,6 +192,7 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
         deltas = [jnp.where(present, n - o, jnp.zeros_like(o)) for o, n in zip(old, new)]
         return deltas
 
+    bind_sync_bn(model, strategy)   # (layers made before the scope, or under hvd alone)
     synchronized = synchronizes(model)
 
     def train_step(state, data):

@@ -29,7 +29,7 @@ otherwise (one replica, no scope) it is the plain layer. A masked call normalise
 import functools
 import weakref
 
-__all__ = ["sync_batch_normalization_class", "synchronizes"]
+__all__ = ["sync_batch_normalization_class", "synchronizes", "bind"]
 
 _STRATEGY_OF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -44,6 +44,35 @@ def synchronizes(model) -> bool:
             return True
         todo.extend(getattr(layer, "layers", []))
     return False
+
+
+def bind(model, strategy) -> None:
+    """Let the synchronising layers of ``model`` that were made outside a scope (a model
+    built before the strategy, or under ``hvd.init()`` with no scope) sum over
+    ``strategy``'s replicas: done when the model is distributed (compiled in the scope, or
+    with ``hvd.DistributedOptimizer``)."""
+    if strategy is None or strategy.num_replicas_in_sync <= 1:
+        return
+    todo = list(getattr(model, "layers", []))
+    while todo:
+        layer = todo.pop()
+        if getattr(layer, "_mpistrat_synchronized", False) and layer not in _STRATEGY_OF:
+            _STRATEGY_OF[layer] = strategy
+        todo.extend(getattr(layer, "layers", []))
+
+
+def _refuse_unbound(layer) -> None:
+    """A synchronising layer that trains in a job of several ranks without a strategy to
+    sum over would normalise with its own replica's rows only: refused by name."""
+    from mpi4py import MPI
+    if MPI.Is_initialized() and MPI.COMM_WORLD.Get_size() > 1:
+        raise ValueError(
+            f"SyncBatchNormalization {layer.name!r} trains in a job of "
+            f"{MPI.COMM_WORLD.Get_size()} ranks but was made outside strategy.scope() and its "
+            f"model was never distributed: it would normalise with this replica's rows only. "
+            f"Make the model inside `with strategy.scope():`, or compile it there (or with "
+            f"hvd.DistributedOptimizer); SyncBatchNormalization(synchronized=False) "
+            f"normalises per replica on purpose")
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,6 +110,7 @@ def sync_batch_normalization_class():
 
         def __init__(self, *args, synchronized: bool = True, **kwargs):
             super().__init__(*args, synchronized=False, **kwargs)
+            self._mpistrat_synchronized = bool(synchronized)
             from mpistrat.distribute.context import get_strategy, has_strategy
             strategy = get_strategy() if has_strategy() else None
             if synchronized and strategy is not None and strategy.num_replicas_in_sync > 1:
@@ -88,6 +118,8 @@ def sync_batch_normalization_class():
 
         def _moments(self, inputs, mask):
             strategy = _STRATEGY_OF.get(self)
+            if strategy is None and self._mpistrat_synchronized:
+                _refuse_unbound(self)
             if strategy is None or mask is not None:
                 return super()._moments(inputs, mask)
             import jax.numpy as jnp
@@ -111,7 +143,7 @@ def sync_batch_normalization_class():
 
         def get_config(self):
             config = super().get_config()   # (a clone or a loaded model synchronises too)
-            config["synchronized"] = True
+            config["synchronized"] = self._mpistrat_synchronized
             return config
 
     return SyncBatchNormalization

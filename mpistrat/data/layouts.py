@@ -36,12 +36,13 @@ from mpistrat.data.rebatch import rebatch_slices
 from mpistrat.data.rows import Rows
 
 __all__ = ["NO_LAYOUT", "DataLayout", "OffLayout", "FileLayout", "FunctionLayout",
-           "resume_step", "step_groups"]
+           "read_ahead_steps", "resume_step", "step_groups"]
 
 NO_LAYOUT = object()
 GROUP_ROWS = 256      # rows a rank maps at once (several steps of a random-access pipeline)
 GROUP_STEPS = 64
 READ_AHEAD_BYTES = 64 << 20   # records a rank reads ahead at once (sorted, coalesced runs)
+READ_AHEAD_STEPS = 1 << 14    # and at most this many steps: planning a window is per step
 
 
 def resume_step(policy: str, saved_step: int, saved_ranks: int, ranks: int) -> int:
@@ -79,6 +80,20 @@ def step_groups(start: int, length: Optional[int], limit: int = GROUP_STEPS):
         step, size = stop, max(1, limit)
 
 
+def read_ahead_steps(row_bytes: int, rows_per_step: int, group: int) -> int:
+    """Steps a rank plans (and reads ahead) at once: ``group`` (the steps it maps at once)
+    where it reads nothing (``row_bytes == 0``: rows in memory), else as many as fill
+    ``READ_AHEAD_BYTES``, at most ``READ_AHEAD_STEPS``. Bounded in steps whatever the rows
+    weigh, so that planning never runs to the end of a long or endless dataset.
+
+    >>> read_ahead_steps(0, 2, 64), read_ahead_steps(4096, 8, 32), read_ahead_steps(1, 2, 64)
+    (64, 2048, 16384)
+    """
+    if row_bytes <= 0:
+        return group
+    return max(group, min(READ_AHEAD_STEPS, READ_AHEAD_BYTES // (row_bytes * rows_per_step)))
+
+
 def _batch_of(rows: Rows) -> Any:
     if rows.count == 0 and not rows.is_stacked:
         return NO_LAYOUT
@@ -102,12 +117,14 @@ class DataLayout:
 
     def _seek(self, plan, start):
         """Steps from ``start``: each window of steps is read ahead at once (its records,
-        sorted and coalesced, within ``READ_AHEAD_BYTES``), then mapped in groups."""
+        sorted and coalesced, within ``READ_AHEAD_BYTES`` and ``READ_AHEAD_STEPS``), then
+        mapped in groups. Steps are planned one window at a time, never beyond it: an
+        endless pipeline (``plan.length`` ``None``) costs per step what a finite one does."""
         if plan.length is not None and start >= plan.length:
             return
         rows_per_step = max(1, -(-plan.size(start) // self.ranks))
         group = max(1, min(GROUP_STEPS, GROUP_ROWS // rows_per_step))
-        window = max(group, READ_AHEAD_BYTES // max(1, self.row_bytes * rows_per_step))
+        window = read_ahead_steps(self.row_bytes, rows_per_step, group)
         for steps in step_groups(start, plan.length, window):
             requests = [(step,) + rebatch_slices(plan.size(step), self.ranks)[self.rank]
                         for step in steps]

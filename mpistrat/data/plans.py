@@ -193,7 +193,12 @@ class Remap(Plan):
 
 
 class Repeat(Plan):
-    """``repeat(count)``: repetition ``r`` is the child plan made for iteration ``r``."""
+    """``repeat(count)``: repetition ``r`` is the child plan made for iteration ``r``; endless
+    (``length`` ``None``) for ``count`` ``None`` or negative (tf.data's ``repeat(-1)``).
+    Child plans are made when a repetition is first asked for, never ahead, and the last
+    ``KEPT`` of them are kept."""
+
+    KEPT = 4
 
     def __init__(self, make_child: Callable[[int], Plan], count: Optional[int]):
         self._make, self._cache = make_child, {}
@@ -202,27 +207,31 @@ class Repeat(Plan):
         self._each = first.length
         if self._each is None:
             raise ValueError("repeat of an infinite dataset")
-        self.length = None if count is None else self._each * count
+        self.length = None if count is None or count < 0 else self._each * int(count)
         if self._each == 0:
             self.length = 0
 
     def _child(self, repetition: int) -> Plan:
         plan = self._cache.get(repetition)
         if plan is None:
-            if len(self._cache) >= 4:
+            if len(self._cache) >= self.KEPT:
                 self._cache.pop(next(iter(self._cache)))
             plan = self._cache[repetition] = self._make(repetition)
         return plan
 
     def need(self, wanted):
+        """Read ahead for the first ``KEPT`` repetitions asked for only: rows read for later
+        ones would be dropped with their child plans before use (a window of a short input
+        repeated spans many repetitions)."""
         if self.batched:
             groups: Dict[int, list] = {}
             for index, a, b in wanted:
                 repetition, local = divmod(index, self._each)
-                groups.setdefault(repetition, []).append((local, a, b))
+                if repetition in groups or len(groups) < self.KEPT:
+                    groups.setdefault(repetition, []).append((local, a, b))
         else:
             reps, local = np.divmod(np.asarray(wanted, dtype=np.int64), self._each)
-            groups = {r: local[reps == r] for r in np.unique(reps).tolist()}
+            groups = {r: local[reps == r] for r in np.unique(reps)[:self.KEPT].tolist()}
         for repetition, part in groups.items():
             self._child(repetition).need(part)
 

@@ -1,5 +1,7 @@
 """Distributed datasets at 1-4 ranks: TensorFlow's measured rebatch cases, policies, lockstep."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -153,3 +155,44 @@ def test_cache_under_a_distributed_dataset_keeps_each_ranks_rows_and_resumes(
     resumed = iter(pipeline(cache=True))
     ms.Checkpoint(iterator=resumed).restore(path).assert_consumed()
     assert rows(resumed) == rest
+
+
+def finite_rule(batch, ranks, rank):
+    """DESIGN.md's rebatch rule: slices of ceil(B/N) rows in replica order, the rest empty."""
+    per = -(-len(batch) // ranks)
+    start = min(rank * per, len(batch))
+    return batch[start:min(start + per, len(batch))]
+
+
+ENDLESS = {   # issue 44: endless pipelines (and one made finite by take) over 10 rows
+    "repeat": lambda ds: ds.repeat().batch(4),
+    "shuffle-repeat": lambda ds: ds.shuffle(7, seed=3).repeat().batch(4),   # random access
+    "repeat-shuffle": lambda ds: ds.repeat().shuffle(7, seed=3).batch(4),   # walked
+    "repeat-take": lambda ds: ds.repeat().batch(4).take(10),
+}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("case", sorted(ENDLESS))
+def test_endless_repeat_yields_its_first_steps_at_once_by_the_finite_rule(strategy, world, case):
+    """Issue 44: the first steps of an endless ``repeat().batch(4)`` come at once (before, a
+    rank planned 64 Mi steps ahead at its second step: minutes and gigabytes), and each rank's
+    rows are those the finite rule gives for the same global batches, which a finite dataset
+    of those batches yields too (a rank left with 0 rows at 3 ranks included)."""
+    def pipeline():
+        return ENDLESS[case](Dataset.from_tensor_slices(np.arange(10, dtype=np.int64) * 10))
+
+    steps = 50
+    iterator = iter(strategy.experimental_distribute_dataset(pipeline()))
+    mine = [batch.values[0].tolist() for batch in itertools.islice(iterator, steps)]
+    global_batches = [batch.tolist() for batch in itertools.islice(pipeline(), steps)]
+    expected_steps = 10 if case == "repeat-take" else steps
+    assert pipeline().cardinality() == (10 if case == "repeat-take"
+                                        else ms.data.INFINITE_CARDINALITY)
+    assert len(mine) == len(global_batches) == expected_steps
+    assert mine == [finite_rule(batch, world.size, world.rank) for batch in global_batches]
+    finite = Dataset.from_tensor_slices(np.array(sum(global_batches, []), np.int64)).batch(4)
+    assert local_batches(strategy, finite) == mine
+    if case == "repeat-take":   # every rank ends on the same step
+        assert next(iterator, None) is None

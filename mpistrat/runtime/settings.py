@@ -19,6 +19,16 @@ job of several ranks, values read while ``mpistrat`` is imported
 (``get(name, at_import=True)``) do not raise there; every variable of every
 rank is checked when the library's world is made (its first collective,
 ``agree``), and then every rank raises the same error, naming the ranks.
+
+Some variables are *per rank* on purpose (``per_rank``: each rank may set
+its own value, or none), yet what a rank does with one depends on whether the
+others set it too (``MPISTRAT_TIMELINE``: a merged trace needs every rank).
+``agree`` also tells every rank which ranks set each of them, so that no rank
+has to ask the others later (at exit, say, where a collective that only some
+ranks join never ends)::
+
+    >>> settings.per_rank_set({"MPISTRAT_TIMELINE": "/tmp/trace.json"})
+    {'MPISTRAT_TIMELINE': True}
 """
 
 import difflib
@@ -28,12 +38,12 @@ import re
 import socket
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from mpistrat.errors import InvalidArgumentError
 
 __all__ = ["Setting", "SettingError", "SETTINGS", "get", "problems", "unknown_names",
-           "uniform_values", "disagreements",
+           "uniform_values", "disagreements", "per_rank_set", "ranks_that_set",
            "agree", "is_set", "parse_seconds", "parse_bytes", "parse_bool", "REMOVED"]
 
 
@@ -151,6 +161,9 @@ class Setting:
     # every rank must have the same value (it steers which MPI calls run); a function: the
     # same value of it (what of the value steers them)
     uniform: Any = False
+    # each rank may set its own value (or none), and whether the others set it matters:
+    # ``agree`` returns which ranks set it (never an error when they differ)
+    per_rank: bool = False
 
 
 _BOOL = "a boolean: 1, true, yes, on or 0, false, no, off (any case)"
@@ -201,8 +214,9 @@ SETTINGS = (
     Setting("MPISTRAT_TRACE", parse_bool, False, _BOOL + "; unset means off",
             "one line per collective on stderr, tagged with the rank"),
     Setting("MPISTRAT_TIMELINE", _path, None, "a file path; unset means off",
-            "record every collective, checkpoint and dataset step; rank 0 writes one Chrome "
-            "trace there at exit"),
+            "record every collective, checkpoint and dataset step; at exit rank 0 writes one "
+            "Chrome trace of every rank there when every rank sets it, else each rank that "
+            "sets it writes its own PATH.rank<r>.json (no collective)", per_rank=True),
     Setting("MPISTRAT_ABORT_ON_ERROR", parse_bool, True, _BOOL + "; unset means on",
             "an uncaught exception on any rank prints its traceback and ends the whole job"),
     Setting("MPISTRAT_RANKS_PER_NODE", _positive_int, None,
@@ -357,6 +371,22 @@ def uniform_values(environ: Optional[Mapping[str, str]] = None) -> Dict[str, Any
     return values
 
 
+def per_rank_set(environ: Optional[Mapping[str, str]] = None) -> Dict[str, bool]:
+    """Whether each ``per_rank`` variable is set (not empty) in ``environ`` (pure)."""
+    return {s.name: _raw(s.name, environ) is not None for s in SETTINGS if s.per_rank}
+
+
+def ranks_that_set(everyone: List[Dict[str, bool]]) -> Dict[str, Tuple[int, ...]]:
+    """For each ``per_rank`` variable, the ranks that set it (pure; ``everyone[rank]`` is
+    ``per_rank_set()``)::
+
+        >>> ranks_that_set([{"MPISTRAT_TIMELINE": True}, {"MPISTRAT_TIMELINE": False}])
+        {'MPISTRAT_TIMELINE': (0,)}
+    """
+    return {s.name: tuple(r for r, flags in enumerate(everyone) if flags.get(s.name))
+            for s in SETTINGS if s.per_rank}
+
+
 def disagreements(everyone: List[Dict[str, Any]]) -> List[str]:
     """For each ``uniform`` variable whose value differs between ranks, one text naming
     the ranks of each value (pure; ``everyone[rank]`` is ``uniform_values()``)::
@@ -377,31 +407,38 @@ def disagreements(everyone: List[Dict[str, Any]]) -> List[str]:
     return texts
 
 
-def agree(comm) -> None:
+def agree(comm) -> Dict[str, Tuple[int, ...]]:
     """Check every variable on every rank of ``comm`` (collective); raise the same
     ``SettingError`` on every rank when any rank has a bad value, naming the ranks, or when
     a ``uniform`` variable differs between ranks (ranks would pair different MPI calls and
-    wait for ever)."""
+    wait for ever).
+
+    Returns, for each ``per_rank`` variable, the ranks of ``comm`` that set it
+    (``ranks_that_set``): the same on every rank, learnt in the same ``allgather``."""
     mine = problems()
     if comm.Get_size() > 1:
         where = f"rank {comm.Get_rank()} ({socket.gethostname()})"
-        everyone = comm.allgather((where, mine, uniform_values()))
-        reports = [(w, texts) for w, texts, _ in everyone if texts]
+        everyone = comm.allgather((where, mine, uniform_values(), per_rank_set()))
+        reports = [(w, texts) for w, texts, _, _ in everyone if texts]
         if reports:
             raise SettingError("; ".join(f"on {w}: {'; '.join(texts)}"
                                          for w, texts in reports) + _SEE)
-        differ = disagreements([values for _, _, values in everyone])
+        differ = disagreements([values for _, _, values, _ in everyone])
         if differ:
             raise SettingError("; ".join(differ) + " (give every rank the same environment: "
                                "mpirun -x NAME, or export it before srun)" + _SEE)
+        set_by = ranks_that_set([flags for _, _, _, flags in everyone])
     elif mine:
         raise SettingError("; ".join(mine) + _SEE)
+    else:
+        set_by = ranks_that_set([per_rank_set()])
     _state["agreed"] = True
     unknown = unknown_names()
     if unknown:
         warnings.warn(f"rank {comm.Get_rank()}: unknown mpistrat variables: "
                       f"{', '.join(unknown)}{_SEE}",
                       stacklevel=2)
+    return set_by
 
 
 def _world_size() -> int:

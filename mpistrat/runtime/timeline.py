@@ -8,6 +8,18 @@ this rank waited for the slowest one. At exit, or at an explicit
 JSON file that https://ui.perfetto.dev or ``chrome://tracing`` opens: one
 process per rank, one row per thread.
 
+``MPISTRAT_TIMELINE`` is a per-rank setting; at exit the rule is:
+
+* **every rank sets it** (as the ranks told each other when the library's
+  world was made, ``settings.agree``; or a job of one process): the merge
+  above, a collective every rank joins, into rank 0's path;
+* **some ranks only** (``mpirun -n 1 env MPISTRAT_TIMELINE=t.json python job.py
+  : -n 1 python job.py``), or no world was ever made in a job of several
+  ranks: each rank that sets it writes its own ``PATH.rank<r>.json`` (its
+  events only, process ``rank r``) with **no collective**, and the ranks
+  that do not set it write nothing. (A collective at exit that only some
+  ranks join would never end: the health check would end the job, exit 1.)
+
 Other layers add their own spans; off, each costs one attribute test::
 
     >>> from mpistrat.runtime import timeline
@@ -177,11 +189,13 @@ def recording() -> Iterator[List[Event]]:
 
 
 # -- merging ------------------------------------------------------------------
-def chrome_trace(per_rank: List[List[Event]], offsets: List[float]) -> Dict[str, Any]:
+def chrome_trace(per_rank: List[List[Event]], offsets: List[float],
+                 ranks: Optional[List[int]] = None) -> Dict[str, Any]:
     """Chrome trace-event JSON of every rank's events (a pure function).
 
     ``offsets[r]``: rank r's clock minus rank 0's. Collectives recorded with
-    the same ``(engine, seq)`` on several ranks get ``wait_us``.
+    the same ``(engine, seq)`` on several ranks get ``wait_us``. ``ranks``: the
+    rank of each list of events (its process in the trace; default 0, 1, ...).
     """
     aligned = [[(e, e.start - offsets[r], e.end - offsets[r]) for e in events]
                for r, events in enumerate(per_rank)]
@@ -194,7 +208,8 @@ def chrome_trace(per_rank: List[List[Event]], offsets: List[float]) -> Dict[str,
                 key = (e.args.get("engine"), e.args["seq"])
                 latest[key] = max(latest.get(key, s), s)
     trace: List[Dict[str, Any]] = []
-    for rank, events in enumerate(aligned):
+    for index, events in enumerate(aligned):
+        rank = index if ranks is None else ranks[index]
         trace.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
                       "args": {"name": f"rank {rank}"}})
         threads: Dict[int, int] = {}
@@ -225,9 +240,11 @@ def flush(path: Optional[str] = None, comm: Optional[MPI.Comm] = None,
     """Merge every rank's events into ``path`` (default: ``MPISTRAT_TIMELINE``) on rank 0.
 
     Collective over ``comm`` (default: the library's private communicator, or
-    ``COMM_WORLD`` if no strategy was ever made). Returns the path written
-    on rank 0 (``None`` elsewhere). If some rank does not arrive within
-    ``timeout`` seconds, each rank writes its own ``path.rank<r>.json`` instead.
+    ``COMM_WORLD`` if no strategy was ever made): call it on every rank. Returns
+    the path written on rank 0 (``None`` elsewhere). If some rank does not arrive
+    within ``timeout`` seconds, each rank writes its own ``path.rank<r>.json``
+    instead. (The exit hook calls it only when every rank set ``MPISTRAT_TIMELINE``;
+    see the module's docstring.)
     """
     path = path or _path
     if path is None:
@@ -240,8 +257,7 @@ def flush(path: Optional[str] = None, comm: Optional[MPI.Comm] = None,
         mine = list(_events)
     arrived = _wait(comm.Ibarrier(), timeout)
     if not arrived:  # some rank is gone: keep what this one has
-        single = chrome_trace([mine], [0.0])
-        _write(f"{path}.rank{rank}.json", single)
+        _write_own(path, rank, mine)
         return None
     clock = now()
     everyone = comm.gather((clock, mine), root=0)
@@ -250,6 +266,29 @@ def flush(path: Optional[str] = None, comm: Optional[MPI.Comm] = None,
     base = everyone[0][0]
     _write(path, chrome_trace([ev for _, ev in everyone], [c - base for c, _ in everyone]))
     return path
+
+
+def _write_own(path: str, rank: int, events: Optional[List[Event]] = None) -> str:
+    """Write this rank's events alone to ``path.rank<r>.json`` (no communication)."""
+    if events is None:
+        with _lock:
+            events = list(_events)
+    own = f"{path}.rank{rank}.json"
+    _write(own, chrome_trace([events], [0.0], ranks=[rank]))
+    return own
+
+
+def _exit_scope():
+    """``(comm, rank, merge)`` for the exit hook, with no communication: ``merge`` when every
+    rank of the library's world set MPISTRAT_TIMELINE (they told each other when the world
+    was made) or the job is one process; else this rank writes its own trace."""
+    from mpistrat.runtime import world as _world  # made by the first strategy, if any
+    world = _world._WORLD
+    if world is not None:
+        asked = getattr(world, "set_by", {}).get(PATH_ENV, ())
+        return world.comm, world.rank, len(asked) == world.size
+    comm = MPI.COMM_WORLD
+    return comm, comm.Get_rank(), comm.Get_size() == 1
 
 
 def _write(path: str, trace: Dict[str, Any]) -> None:
@@ -262,7 +301,11 @@ def _write(path: str, trace: Dict[str, Any]) -> None:
 def _flush_at_exit() -> None:
     if _path and not MPI.Is_finalized():
         try:
-            flush(_path, timeout=30.0)
+            comm, rank, merge = _exit_scope()
+            if merge:    # every rank runs this hook: the collective merge
+                flush(_path, comm=comm, timeout=30.0)
+            else:        # some ranks only: never a collective the others would not join
+                _write_own(_path, rank)
         except Exception as err:  # never turn a clean exit into a crash
             print(f"[mpistrat] timeline: could not write {_path}: {err}")
 

@@ -77,6 +77,8 @@ class World:
     ``comm`` is a duplicate of ``base`` (``COMM_WORLD`` by default);
     ``node_comm`` holds the ranks of this rank's node, ``leader_comm`` the
     first rank of every node (``MPI.COMM_NULL`` on the other ranks).
+    ``set_by[name]``: the ranks of ``comm`` that set each per-rank variable
+    (``settings.agree``), the same on every rank.
     """
 
     def __init__(self, base: Optional[MPI.Comm] = None, refuse_singletons: bool = True):
@@ -88,7 +90,9 @@ class World:
         self.hostname = socket.gethostname()
         if base == MPI.COMM_WORLD and refuse_singletons:
             _refuse_singletons(self.size)
-        settings.agree(self.comm)   # every MPISTRAT_* variable of every rank: refused together
+        # every MPISTRAT_* variable of every rank: refused together; and which ranks set
+        # each per-rank one (MPISTRAT_TIMELINE: a merged trace only when every rank asks)
+        self.set_by = settings.agree(self.comm)
         per_node = _ranks_per_node_from_env()
         if per_node is None:
             self.node_comm = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)

@@ -21,7 +21,13 @@ train step:
 * ``initial_epoch`` / ``set_initial_epoch``: the epoch ``BackupAndRestore`` resumes at
   (``Model._initial_epoch``), shared from rank 0;
 * ``reload_state``: a model in ``fit`` reads its variables again at the next step (after a
-  callback assigned them: ``Model._jax_state_synced``).
+  callback assigned them: ``Model._jax_state_synced``);
+* ``momentum_slots``: each trained variable of an ``SGD`` or ``RMSprop`` with its momentum
+  buffer (``momentums`` / ``_momentums``, paired by ``_get_variable_index``), for Horovod's
+  momentum correction;
+* ``rebuild_optimizer`` / ``h5_optimizer_weights``: an optimizer Keras's legacy ``.h5``
+  loader built on no variables, built on the model's, and the optimizer weights such a file
+  holds (``keras.src.legacy.saving``), for ``hvd.load_model``.
 
 Tested against Keras 3.15.1 (the newest; ``pyproject.toml`` allows 3.10 and later)::
 
@@ -33,7 +39,8 @@ Tested against Keras 3.15.1 (the newest; ``pyproject.toml`` allows 3.10 and late
 from typing import Any, Callable, Iterator
 
 __all__ = ["update_metrics", "each_epoch", "own_state", "optimizer_state", "initial_epoch",
-           "set_initial_epoch", "reload_state", "TESTED"]
+           "set_initial_epoch", "reload_state", "momentum_slots", "rebuild_optimizer",
+           "h5_optimizer_weights", "TESTED"]
 
 TESTED = "3.15.1"   # the Keras versions whose private names below were checked
 
@@ -115,3 +122,41 @@ def reload_state(model: Any) -> None:
     assigned them: the learning rate, broadcast weights)."""
     if hasattr(model, "_jax_state_synced"):
         model._jax_state_synced = True
+
+
+def momentum_slots(optimizer: Any) -> list:
+    """``[(variable, momentum buffer)]`` of a built Keras ``SGD`` or ``RMSprop`` with a
+    momentum: each variable it trains with the buffer its step multiplies by the momentum."""
+    try:
+        buffers = optimizer.momentums if hasattr(optimizer, "momentums") else \
+            optimizer._momentums
+        return [(variable, buffers[optimizer._get_variable_index(variable)])
+                for variable in optimizer._trainable_variables]
+    except AttributeError:
+        raise _missing("SGD.momentums / RMSprop._momentums / Optimizer._trainable_variables "
+                       "/ Optimizer._get_variable_index") from None
+
+
+def rebuild_optimizer(optimizer: Any, variables: list) -> bool:
+    """Build ``optimizer`` on ``variables`` if it was built on none (Keras 3's legacy ``.h5``
+    loader builds it on a model's own variables, none for a ``Sequential``); ``False`` when it
+    trains variables already (left as it is)."""
+    if getattr(optimizer, "_trainable_variables", None):
+        return False
+    optimizer.built = False
+    optimizer.build(variables)
+    return True
+
+
+def h5_optimizer_weights(group: Any) -> list:
+    """The optimizer weights a legacy ``.h5`` file (an open ``h5py`` group) holds, in the
+    optimizer's variable order (``[]`` when it holds none)."""
+    if "optimizer_weights" not in group:
+        return []
+    try:
+        from keras.src.legacy.saving.legacy_h5_format import \
+            load_optimizer_weights_from_hdf5_group
+    except ImportError:
+        raise _missing("keras.src.legacy.saving.legacy_h5_format."
+                       "load_optimizer_weights_from_hdf5_group") from None
+    return list(load_optimizer_weights_from_hdf5_group(group))

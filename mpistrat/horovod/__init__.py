@@ -35,9 +35,17 @@ the input's dtype. The ranks agree on the op, the factors, the compression and t
 raise, naming each rank's. ``broadcast_object`` and ``allgather_object`` agree the root and
 the name given in the exchange that carries the objects. Not supported, and refused by name
 (``NotSupportedError``, both a ``NotImplementedError`` and a ``ValueError``): ``op=Adasum``,
-process sets other than the global one; ``DistributedOptimizer`` refuses ``Adasum``,
-``Product``, gradient compression other than none and ``backward_passes_per_step`` other
-than 1.
+process sets other than the global one, ``hvd.elastic`` (mpistrat's elastic jobs requeue
+and resume: ``slurm/train_elastic.sbatch``); ``DistributedOptimizer`` and ``load_model``
+refuse ``Adasum``, ``Product``, gradient compression other than none and
+``backward_passes_per_step`` other than 1.
+
+Beside them: ``shutdown``/``is_initialized`` (after ``shutdown()`` calls raise
+``NotInitializedError`` until ``init()`` again; MPI stays up), ``mpi_threads_supported``
+(MPI's thread level), ``mpi_enabled``/``mpi_built``/``gloo_enabled``/``gloo_built``/
+``nccl_built``, ``join`` (an agreement that every rank has finished: see its text for how it
+differs), ``load_model`` (Keras's, the optimizer wrapped in ``DistributedOptimizer``) and the
+callbacks in ``hvd.callbacks``, learning-rate schedule and warm-up included.
 """
 
 import importlib
@@ -47,11 +55,13 @@ from typing import Any
 import numpy as np
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-           "cross_rank", "cross_size", "mpi_enabled", "mpi_built", "allreduce", "allgather",
+           "cross_rank", "cross_size", "mpi_threads_supported", "mpi_enabled", "mpi_built",
+           "gloo_enabled", "gloo_built", "nccl_built", "join", "allreduce", "allgather",
            "broadcast", "broadcast_object", "allgather_object", "broadcast_variables",
-           "DistributedOptimizer", "Average", "Sum", "Min", "Max", "Adasum", "Product",
-           "Compression", "ProcessSet", "global_process_set", "add_process_set",
-           "remove_process_set", "NotSupportedError", "callbacks"]
+           "DistributedOptimizer", "load_model", "Average", "Sum", "Min", "Max", "Adasum",
+           "Product", "Compression", "ProcessSet", "global_process_set", "add_process_set",
+           "remove_process_set", "NotSupportedError", "NotInitializedError", "callbacks",
+           "elastic"]
 
 Average, Sum, Min, Max, Adasum, Product = "Average", "Sum", "Min", "Max", "Adasum", "Product"
 _OPS = (Average, Sum, Min, Max, Product, Adasum)
@@ -60,7 +70,13 @@ _ENGINE_OP = {Average: "SUM", Sum: "SUM", Min: "MIN", Max: "MAX"}   # (Average: 
 
 class NotSupportedError(NotImplementedError, ValueError):
     """What Horovod offers and ``mpistrat.horovod`` does not (``op=Adasum``, process sets
-    other than the global one): refused by name, on every rank that calls it."""
+    other than the global one, ``hvd.elastic``): refused by name, on every rank that calls
+    it."""
+
+
+class NotInitializedError(ValueError):
+    """A call that needs ``hvd.init()`` before it, or after ``hvd.shutdown()`` (a
+    ``ValueError``, the class Horovod raises there, with Horovod's first sentence)."""
 
 
 def _floating(dtype: np.dtype) -> bool:
@@ -155,26 +171,38 @@ _STATE: dict = {}
 
 def init(comm: Any = None) -> None:
     """Start (collective): the world and a ``MultiWorkerMirroredStrategy`` over every rank.
-    ``comm`` other than the whole world is not supported."""
+    ``comm`` other than the whole world is not supported. A second ``init()`` does nothing
+    (as Horovod's); after ``shutdown()`` it starts again."""
     if comm is not None:
-        raise ValueError("hvd.init(comm=...): mpistrat.horovod runs over every rank of the job")
+        raise NotSupportedError("hvd.init(comm=...): mpistrat.horovod runs over every rank "
+                                "of the job; call hvd.init()")
     if "strategy" not in _STATE:
         from mpistrat.distribute.mirrored import MultiWorkerMirroredStrategy
         _STATE["strategy"] = MultiWorkerMirroredStrategy()
+        _STATE.pop("shut_down", None)
 
 
 def shutdown() -> None:
-    """Forget the strategy (MPI itself ends with the process)."""
-    _STATE.clear()
+    """Stop using Horovod's API on this rank (local, no collective): ``is_initialized()`` is
+    then ``False``, and ``rank()``, ``size()``, the collectives and ``join()`` raise
+    ``NotInitializedError`` until ``init()`` again. MPI is not finalized (it ends with the
+    process, so ``init()`` may start again). A model compiled with ``DistributedOptimizer``
+    before keeps the strategy it was given."""
+    if "strategy" in _STATE:
+        _STATE.clear()
+        _STATE["shut_down"] = True
 
 
 def is_initialized() -> bool:
+    """Whether ``init()`` ran on this rank and no ``shutdown()`` came after it."""
     return "strategy" in _STATE
 
 
 def _strategy():
     if "strategy" not in _STATE:
-        raise ValueError("Horovod has not been initialized; use hvd.init().")
+        after = " (hvd.shutdown() was called since; hvd.init() starts again)" \
+            if _STATE.get("shut_down") else ""
+        raise NotInitializedError(f"Horovod has not been initialized; use hvd.init().{after}")
     return _STATE["strategy"]
 
 
@@ -214,12 +242,44 @@ def cross_size() -> int:
     return _world().num_nodes
 
 
+def mpi_threads_supported() -> bool:
+    """Whether MPI runs at ``MPI_THREAD_MULTIPLE`` (``MPI.Query_thread()``), so that other
+    MPI code (``mpi4py``) may run beside the collectives on other threads. Needs ``init()``,
+    as Horovod's."""
+    _strategy()
+    from mpi4py import MPI
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
 def mpi_enabled() -> bool:
+    """``True``: MPI runs the job and its collectives (NCCL may carry device arrays)."""
     return True
 
 
 def mpi_built() -> bool:
+    """``True``: mpistrat runs over MPI (``mpi4py``)."""
     return True
+
+
+def gloo_enabled() -> bool:
+    """``False``: there is no Gloo controller; MPI carries everything."""
+    return False
+
+
+def gloo_built() -> bool:
+    """``False``: mpistrat has no Gloo."""
+    return False
+
+
+def nccl_built() -> int:
+    """NCCL's version code (``cupy.cuda.nccl.get_version()``, e.g. ``21803``) when the NCCL
+    backend can be used for device arrays (CuPy with NCCL imports, ``MPISTRAT_NCCL`` is not
+    0), else ``0``: Horovod's convention (the code of the NCCL it was built with, or 0)."""
+    from mpistrat.runtime.devices import nccl_available
+    if not nccl_available()[0]:
+        return 0
+    from cupy.cuda import nccl
+    return int(nccl.get_version())
 
 
 def _engine():
@@ -418,6 +478,40 @@ def broadcast_variables(variables: Any, root_rank: int, process_set: Any = None)
         variable.assign(value)
 
 
+def join() -> int:
+    """Say that this rank has finished (collective): returns, on every rank, the rank Horovod
+    reports as the last that joined.
+
+    Horovod lets a rank that ran out of data join while the others go on reducing: it takes
+    part in their all-reduces with zeros until every rank has joined. mpistrat.horovod does
+    not: ``join()`` is an agreement that every rank has finished, valid only when no rank is
+    still in a collective, so call it on every rank after its last one (with as many steps on
+    every rank). It returns ``size() - 1``, what Horovod returns when the ranks' joins reach
+    it together (it records the joins of one round in rank order and reports the last); when
+    they come in different rounds Horovod's answer depends on timing. With validation on (the
+    default), a rank that joins while another is in a collective makes every rank raise,
+    naming what each called: ``NotSupportedError`` on the joining rank, ``InvalidArgumentError``
+    on the others; with ``MPISTRAT_VALIDATE=0`` nothing checks it (as for any collective)::
+
+        for batch in my_batches:          # the same number of batches on every rank
+            loss = step(batch)
+        last = hvd.join()                 # == hvd.size() - 1 on every rank
+    """
+    what = "hvd.join"
+    engine = _engine()
+    from mpistrat.errors import InvalidArgumentError
+    try:
+        last = engine.all_reduce(np.array([engine.rank], np.int64), "MAX", label=what)
+    except InvalidArgumentError as err:
+        raise NotSupportedError(
+            f"{what} on rank {engine.rank} while other ranks are still in a collective "
+            f"({err}). Horovod lets a rank that ran out of data join while the others go on "
+            f"reducing, with zeros for it; mpistrat.horovod does not: give every rank the same "
+            f"number of steps (steps_per_epoch no rank exceeds, or as many rows on each) and "
+            f"call hvd.join() on every rank after its last collective") from err
+    return int(np.asarray(last).reshape(-1)[0])
+
+
 def DistributedOptimizer(optimizer: Any, name: str = None, compression: Any = Compression.none,
                          sparse_as_dense: bool = False, backward_passes_per_step: int = 1,
                          op: Any = Average, **kwargs: Any) -> Any:  # noqa: N802 - Horovod's name
@@ -430,15 +524,7 @@ def DistributedOptimizer(optimizer: Any, name: str = None, compression: Any = Co
         tx = hvd.DistributedOptimizer(optax.adam(1e-3))
         opt_state = tx.init(params)       # then tx.update(grads, opt_state, params) per step
     """
-    if compression not in (None, Compression.none):
-        raise ValueError(f"hvd.DistributedOptimizer: compression="
-                         f"{_compression_name(compression)} is not supported; gradients "
-                         f"travel uncompressed (Compression.none)")
-    if backward_passes_per_step != 1:
-        raise ValueError("hvd.DistributedOptimizer: backward_passes_per_step must be 1 here")
-    if op != Average:
-        raise ValueError(f"hvd.DistributedOptimizer: op={op!r} is not supported; gradients "
-                         f"are averaged over the ranks (op=hvd.Average)")
+    _optimizer_options("hvd.DistributedOptimizer", compression, backward_passes_per_step, op)
     _strategy()
     if not hasattr(optimizer, "apply_gradients") and hasattr(optimizer, "update") and \
             hasattr(optimizer, "init"):                       # an optax transformation
@@ -451,7 +537,101 @@ def DistributedOptimizer(optimizer: Any, name: str = None, compression: Any = Co
     return optimizer
 
 
-def __getattr__(name: str) -> Any:   # hvd.callbacks, imported with Keras when first used
-    if name == "callbacks":
-        return importlib.import_module(".callbacks", __name__)
+def _optimizer_options(what: str, compression: Any, backward_passes_per_step: int = 1,
+                       op: Any = Average) -> None:
+    """``DistributedOptimizer``'s refusals (``NotSupportedError``, a ``ValueError``)."""
+    if compression not in (None, Compression.none):
+        raise NotSupportedError(f"{what}: compression={_compression_name(compression)} is not "
+                                f"supported; gradients travel uncompressed (Compression.none)")
+    if backward_passes_per_step != 1:
+        raise NotSupportedError(f"{what}: backward_passes_per_step="
+                                f"{backward_passes_per_step!r} is not supported; it must be 1")
+    if op != Average:
+        raise NotSupportedError(f"{what}: op={op!r} is not supported; gradients are averaged "
+                                f"over the ranks (op=hvd.Average)")
+
+
+def load_model(filepath: Any, custom_optimizers: Any = None, custom_objects: Any = None,
+               compression: Any = Compression.none, legacy_opts: bool = False) -> Any:
+    """``keras.models.load_model(filepath)`` with the loaded model's optimizer wrapped in
+    ``hvd.DistributedOptimizer`` (its state restored), ready to ``fit`` on every rank
+    (Horovod's ``load_model``), from a ``.keras`` file or a legacy ``.h5`` one::
+
+        model = hvd.load_model("model.keras")      # each rank then fits on its own rows
+
+    ``custom_optimizers``: optimizer classes of your own the file names (found by their class
+    names); ``custom_objects``: Keras's. Any optimizer the file holds is wrapped, Keras's own
+    or yours. ``compression`` is ``DistributedOptimizer``'s (``Compression.none`` only);
+    ``legacy_opts=True`` (``tf.keras.optimizers.legacy``) is refused: Keras 3 has no legacy
+    optimizers. A legacy ``.h5`` file's optimizer state (momentums, ...) is restored too
+    (Keras 3 alone leaves it fresh). A model saved without compiling comes back as it is.
+    Needs ``init()``; every rank loads the file (put it where every rank can read it)."""
+    what = "hvd.load_model"
+    if legacy_opts:
+        raise NotSupportedError(f"{what}(legacy_opts=True): Keras 3 has no legacy optimizers "
+                                f"(tf.keras.optimizers.legacy); load with legacy_opts=False")
+    _optimizer_options(what, compression)
+    strategy = _strategy()
+    import keras
+    objects = {cls.__name__: cls for cls in (custom_optimizers or ())}
+    objects.update(custom_objects or {})
+    model = keras.models.load_model(filepath, custom_objects=objects or None)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not getattr(model, "compiled", True):
+        return model
+    if _is_h5(filepath):
+        _restore_h5_optimizer(model, filepath)
+    DistributedOptimizer(optimizer, compression=compression)
+    from mpistrat.keras_support import distribute_model
+    distribute_model(model, strategy, per_rank_data=True)   # (as compile would have)
+    return model
+
+
+def _is_h5(filepath: Any) -> bool:
+    if type(filepath).__module__.startswith("h5py"):
+        return True
+    return str(filepath).endswith((".h5", ".hdf5"))
+
+
+def _restore_h5_optimizer(model: Any, filepath: Any) -> None:
+    """Keras 3 builds a legacy ``.h5`` file's optimizer on no variables and sets only its
+    first weights (the iteration count, the rate): build it on the model's trainable
+    variables and set every saved weight, as Keras 2 did. A state that does not fit warns
+    and leaves the optimizer fresh, as Keras's loader does."""
+    import warnings
+
+    import h5py
+    from mpistrat.keras_adapter import h5_optimizer_weights, rebuild_optimizer
+    optimizer = model.optimizer
+    try:
+        opened = filepath if isinstance(filepath, (h5py.File, h5py.Group)) else \
+            h5py.File(filepath, "r")
+        try:
+            saved = [np.asarray(value) for value in h5_optimizer_weights(opened)]
+        finally:
+            if opened is not filepath:
+                opened.close()
+    except (OSError, KeyError, ValueError) as err:
+        warnings.warn(f"hvd.load_model: the optimizer state of {filepath!r} could not be read "
+                      f"({type(err).__name__}: {err}); the optimizer starts fresh",
+                      RuntimeWarning, stacklevel=3)
+        return
+    if not saved or len(saved) == len(optimizer.variables):
+        return   # (nothing saved, or Keras restored it)
+    if not hasattr(optimizer, "inner_optimizer"):   # (a LossScaleOptimizer: left to Keras)
+        rebuild_optimizer(optimizer, model.trainable_variables)
+    variables = optimizer.variables
+    if len(saved) != len(variables) or any(tuple(v.shape) != s.shape
+                                           for v, s in zip(variables, saved)):
+        warnings.warn(f"hvd.load_model: the optimizer state of {filepath!r} ({len(saved)} "
+                      f"weights) does not fit {type(optimizer).__name__} ({len(variables)} "
+                      f"variables); the optimizer starts fresh", RuntimeWarning, stacklevel=3)
+        return
+    for variable, value in zip(variables, saved):
+        variable.assign(value)
+
+
+def __getattr__(name: str) -> Any:   # hvd.callbacks (with Keras) and hvd.elastic, when used
+    if name in ("callbacks", "elastic"):
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'mpistrat.horovod' has no attribute {name!r}")

@@ -163,12 +163,14 @@ def test_a_flood_of_silent_connections_costs_the_flooder_and_the_ranks_join(worl
             outcome["done"].set()
             flooder.join()
         else:
-            time.sleep(2.5)          # the flood is in place before the ranks dial
+            time.sleep(4.0)          # the flood is in place before the ranks dial
             error = check.connect(comm)
         assert error is None, error
         assert sorted(check._links) == ([0] if world.rank else list(range(1, world.size)))
         if world.rank == 0:
-            assert outcome["opened"] >= count, outcome
+            # (well past the per-source bound: the oldest were closed while the ranks joined;
+            # on a loaded machine the ranks may join before all ``count`` are open)
+            assert outcome["opened"] > 2 * peer_links.PENDING_PER_SOURCE, outcome
             texts = [str(w.message) for w in caught]
             assert any("without a hello (the oldest goes)" in t for t in texts), texts
             assert any("more connections that proved nothing" in t for t in texts), texts

@@ -11,7 +11,17 @@ keeps its own rows; under a reshuffle *above* the cache each epoch deals other r
 rank, which over the epochs computes and keeps every row it is dealt (up to the whole
 dataset, as every tf.data worker caches its whole input). Without a plan, the elements are kept as they
 are yielded, and kept only once an iteration reached the end (an iteration abandoned
-midway keeps nothing, as tf.data discards a partial cache)::
+midway keeps nothing, as tf.data discards a partial cache).
+
+*Saved with the iterator.* As tf.data saves a memory cache in its iterator's checkpoint (the
+whole cache once complete, else the elements so far with its input's position), a
+distributed iterator saves what this rank's caches hold (``contents``: the rows it computed,
+or the elements of the iteration so far; ``cache_state.py``), and a restore puts them back
+(``load``, replacing what the cache held) before the iterator goes on: a resumed iterator
+yields the cached elements, bit for bit, and never runs the map below again for them, so a
+map that is not deterministic (a random generator without a seed) gives what the run that
+never stopped gave. A sequential iteration restored midway yields the saved elements, then
+reads its input on from there (its first elements are read again and dropped)::
 
     >>> import numpy as np
     >>> from mpistrat.data.ops import Iteration, Source, Map
@@ -23,8 +33,13 @@ midway keeps nothing, as tf.data discards a partial cache)::
     [0, 10, 20, 30]
     >>> [int(x) for x in cached.elements(Iteration((1,)))], calls
     ([0, 10, 20, 30], [0, 1, 2, 3])
+    >>> resumed = Cache(source)        # as in a new process: nothing cached yet
+    >>> resumed.load(cached.contents())
+    >>> [int(x) for x in resumed.elements(Iteration((2,)))], len(calls)
+    ([0, 10, 20, 30], 4)
 """
 
+import itertools
 import threading
 from typing import Any, Dict, List, Optional
 
@@ -32,6 +47,7 @@ import numpy as np
 
 from mpistrat import nest
 from mpistrat.data import ops, plans
+from mpistrat.data.cache_state import Contents
 from mpistrat.data.rows import Rows
 
 __all__ = ["Cache"]
@@ -46,6 +62,10 @@ class Cache(ops.Unary):
         super().__init__(input_)
         self._plan: Optional["_Memo"] = None
         self._elements: Optional[List[Any]] = None      # the sequential path's, complete
+        self._filling: Optional[List[Any]] = None       # the sequential iteration under way
+        self._resume: Optional[List[Any]] = None        # restored: an iteration's beginning
+        self._restored: Optional[Contents] = None       # restored before the plan was made
+        self._generation = 0                            # restores so far
         self._lock = threading.Lock()
 
     @staticmethod
@@ -59,17 +79,64 @@ class Cache(ops.Unary):
                 if child is None:
                     return None
                 self._plan = _Memo(child)
+                if self._restored is not None:
+                    self._plan.load(self._restored)
+                    self._restored = None
             return self._plan
 
     def sequential(self, it):
-        if self._elements is not None:
-            yield from self._elements
+        with self._lock:
+            complete, generation = self._elements, self._generation
+            kept = list(self._resume or ())
+            if complete is None:
+                self._filling = kept
+        if complete is not None:
+            yield from complete
             return
-        kept = []
-        for element in self.input.elements(self._first(it)):
-            kept.append(_owned(element))
-            yield element
-        self._elements = kept
+        resumed, done = len(kept), False
+        try:
+            yield from kept[:resumed]        # restored: as the saved iteration yielded them
+            for element in itertools.islice(self.input.elements(self._first(it)), resumed,
+                                            None):
+                kept.append(_owned(element))
+                yield element
+            done = True
+        finally:
+            with self._lock:
+                if done and generation == self._generation and self._elements is None:
+                    self._elements, self._resume = kept, None
+                if self._filling is kept:
+                    self._filling = None
+
+    # -- saved with an iterator ----------------------------------------------------------
+    def contents(self) -> Contents:
+        """What this cache holds now, in this process (a snapshot)."""
+        with self._lock:
+            plan, restored, complete = self._plan, self._restored, self._elements
+            partial = max([list(self._filling or ()), list(self._resume or ())], key=len)
+        if plan is not None:
+            return plan.contents()
+        if restored is not None:
+            return restored
+        if complete is not None:
+            return Contents(elements=complete, complete=True)
+        return Contents(elements=partial) if partial else Contents()
+
+    def load(self, contents: Contents) -> None:
+        """Hold ``contents`` instead of what this cache held (tf.data's restore resets the
+        cache, then fills it from the checkpoint); every iterator of the dataset sees them.
+        Iterations under way when it is called keep nothing."""
+        with self._lock:
+            self._generation += 1
+            self._filling = None
+            whole = contents.complete and contents.elements is not None
+            self._elements = contents.elements if whole else None
+            self._resume = None if whole else contents.elements
+            planned = bool(contents.rows or contents.slices or contents.sizes)
+            if self._plan is not None:
+                self._plan.load(contents)
+            else:
+                self._restored = contents if planned else None
 
 
 class _Memo(plans.Plan):
@@ -89,9 +156,29 @@ class _Memo(plans.Plan):
         with self._lock:
             self._need(wanted)
 
+    def contents(self) -> Contents:
+        with self._lock:
+            return Contents(rows=self._rows, slices=self._slices, sizes=self._sizes)
+
+    def load(self, contents: Contents) -> None:
+        with self._lock:
+            self._rows = dict(contents.rows)
+            self._slices = dict(contents.slices)
+            self._sizes = dict(contents.sizes)
+
+    def _whole(self, key: tuple) -> Optional[Rows]:
+        """Rows ``a:b`` of batch ``i`` cut from the whole batch, if it is held (another
+        consumer asked for all of it, or slices restored from another width were joined)."""
+        index, start, stop = key
+        size = self._sizes.get(index)
+        whole = None if size is None or key == (index, 0, size) else \
+            self._slices.get((index, 0, size))
+        return None if whole is None else whole.slice(start, stop)
+
     def _need(self, wanted):
         if self.batched:
-            missing = [tuple(r) for r in wanted if tuple(r) not in self._slices]
+            missing = [tuple(r) for r in wanted if tuple(r) not in self._slices
+                       and self._whole(tuple(r)) is None]
         else:
             missing = [i for i in np.asarray(wanted, dtype=np.int64).tolist()
                        if i not in self._rows]
@@ -122,10 +209,18 @@ class _Memo(plans.Plan):
 
     def _rows_of(self, requests):
         keys = [tuple(int(v) for v in r) for r in requests]
-        missing = [k for k in dict.fromkeys(keys) if k not in self._slices]
+        found = {}
+        for key in dict.fromkeys(keys):
+            held = self._slices.get(key)
+            held = self._whole(key) if held is None else held
+            if held is not None:
+                found[key] = held
+        missing = [k for k in dict.fromkeys(keys) if k not in found]
         if missing:
-            self._slices.update(zip(missing, map(_owned_rows, self.child.rows(missing))))
-        return [self._slices[k] for k in keys]
+            made = list(map(_owned_rows, self.child.rows(missing)))
+            self._slices.update(zip(missing, made))
+            found.update(zip(missing, made))
+        return [found[k] for k in keys]
 
 
 def _frozen(leaf: Any) -> Any:

@@ -33,6 +33,17 @@ batch, shuffle seeds, ordering operations): a restore into a pipeline that diffe
 in any of them raises a ``ValueError`` naming what changed, on every rank, rather
 than skip or repeat rows.
 
+*Caches.* The state also carries what the pipeline's ``cache()`` holds on each rank (as
+tf.data's iterator checkpoint carries its memory cache): every rank's rows, gathered into
+one value (a checkpoint saves each value once), at most ``cache_state.LIMIT_BYTES`` in all
+(beyond it the save is refused, on every rank, naming the limit). A restore at the same width
+gives each rank its own rows back, so the rows computed before the save are yielded again bit
+for bit, even by a map that is not deterministic. At another width (DATA, OFF) every rank
+takes the rows of all saved ranks, which is exact where they agree; where two ranks hold
+different values for one row (a map below the cache that is not deterministic), or a cached
+batch is held only in part, the restore raises a ``ValueError`` on every rank naming the
+row, rather than yield values the saved ranks would not have.
+
 With several replicas per rank (``TPUStrategy``: one per JAX device) the rank is
 the unit of sharding and its batch is cut into equal per-device pieces; static
 shapes are required (``.batch(G, drop_remainder=True)``, ``G`` divisible by
@@ -50,7 +61,8 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
-from mpistrat.data import layouts, ops, shuffles
+from mpistrat.data import cache_state, layouts, ops, shuffles
+from mpistrat.data.cache import Cache
 from mpistrat.data.dataset import Dataset, TensorSpec
 from mpistrat.data.experimental import Optional as OptionalValue
 from mpistrat.data.fingerprint import changed_parts, pipeline_parts
@@ -62,7 +74,7 @@ from mpistrat.data.threads import prefetched
 from mpistrat.distribute.context import InputContext
 from mpistrat.distribute.options import InputOptions
 from mpistrat.distribute.strategy import register_input_distribution
-from mpistrat.errors import InvalidArgumentError, OutOfRangeError
+from mpistrat.errors import DataLossError, InvalidArgumentError, OutOfRangeError
 from mpistrat.runtime import timeline
 
 __all__ = ["DistributedDataset", "DistributedIterator", "distribute_dataset",
@@ -237,7 +249,7 @@ class DistributedIterator:
     # -- the checkpoint state protocol -------------------------------------------------------
     def _optional_tensors(self) -> frozenset:
         """State keys a checkpoint may lack (saved before they existed): not missing there."""
-        return frozenset(f"pipeline_{part}" for part in self._fingerprint())
+        return frozenset([f"pipeline_{part}" for part in self._fingerprint()] + ["cache"])
 
     def _fingerprint(self) -> dict:
         """This pipeline's ``fingerprint.pipeline_parts``, made once (the pipeline is fixed)."""
@@ -254,7 +266,77 @@ class DistributedIterator:
                  "policy": np.array(POLICY_CODES[self._layout.policy], np.int64)}
         for part, value in self._fingerprint().items():
             state[f"pipeline_{part}"] = np.array(value, np.int64)
+        # what the caches hold; per-rank pipelines always carry it, so that every rank
+        # saves the same keys whichever of them has a cache
+        if self._layout.policy == "FUNCTION" or self._caches():
+            state["cache"] = _CacheValue(self)
         return state
+
+    def _caches(self) -> list:
+        """The ``cache()`` nodes of this rank's pipeline, in a fixed order."""
+        node = _node_of(self._layout)
+        return [] if node is None else [n for n in ops.walk(node) if isinstance(n, Cache)]
+
+    def _gathered_caches(self) -> np.ndarray:
+        """What every rank's caches hold, one value for all (collective: read only when a
+        checkpoint writes its values, on every rank at once; see ``_CacheValue``)."""
+        engine, what = self._engine, "saving the cache() contents of a dataset iterator"
+        section, failure = b"", None
+        try:
+            section = cache_state.encode_section([c.contents() for c in self._caches()])
+        except Exception as err:  # noqa: BLE001 - agreed with the other ranks, then raised
+            failure = Failure(err, engine.rank)
+        agree_errors(engine, failure, what, hint="keep the iterator out of the checkpoint "
+                                                 "(its input then starts the epoch afresh)")
+        sizes = engine.all_gather(np.array([len(section)], np.int64)).tolist()
+        if sum(sizes) > cache_state.LIMIT_BYTES:
+            held = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))
+            raise ValueError(
+                f"{what} failed: the cache() of its pipeline holds {sum(sizes)} bytes over "
+                f"{len(sizes)} rank{'s' if len(sizes) > 1 else ''} ({held}), more than the "
+                f"{cache_state.LIMIT_BYTES} a checkpoint saves with an iterator "
+                f"(mpistrat.data.cache_state.LIMIT_BYTES). "
+                f"Raise that limit, write the prepared rows once (np.save, HDF5) and read them "
+                f"with ms.data.NpyDataset or ms.data.HDF5Dataset instead of cache(), or keep "
+                f"the iterator out of the checkpoint")
+        data = engine.all_gather(np.frombuffer(section, np.uint8).copy())
+        bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        return cache_state.join_sections([data[a:b].tobytes()
+                                          for a, b in zip(bounds, bounds[1:])])
+
+    def _restored_caches(self, value, saved_ranks: int) -> list:
+        """What each cache of this rank's pipeline holds after the restore of ``value``: this
+        rank's own at the width it was saved at, else all ranks' joined; a ``ValueError``
+        (the same on every rank: each reads every rank's section) where they cannot be."""
+        ranks, held = self._engine.size, []
+        sections = cache_state.split_sections(value)
+        if len(sections) != saved_ranks:
+            raise DataLossError(f"the saved cache() contents of a dataset iterator hold "
+                                f"{len(sections)} ranks' sections, saved at {saved_ranks} ranks")
+        if saved_ranks == ranks:     # every section is read: a damaged one fails every rank
+            for rank, section in enumerate(sections):
+                found = cache_state.decode_section(section)
+                held = found if rank == self._engine.rank else held
+        else:
+            try:
+                held = cache_state.merge([cache_state.decode_section(s) for s in sections])
+            except ValueError as err:
+                raise ValueError(
+                    f"cannot resume this dataset iterator at {ranks} rank"
+                    f"{'s' if ranks > 1 else ''}: it was saved at "
+                    f"{saved_ranks} ranks with what the cache() of its pipeline held on each "
+                    f"rank, and {err} (a map below the cache that is not deterministic, such "
+                    f"as a random generator without a seed, computes each rank's rows anew): "
+                    f"the ranks of another width cannot go on as the saved ones would have. "
+                    f"Resume at {saved_ranks} ranks, or restore without the iterator (leave "
+                    f"it out of the Checkpoint) to start its input afresh") from None
+        caches = self._caches()
+        if len(held) != len(caches):
+            raise ValueError(f"cannot resume this dataset iterator: it was saved with what "
+                             f"{len(held)} cache() of its pipeline held, and this pipeline has "
+                             f"{len(caches)}. Build the pipeline as it was when saved, or "
+                             f"restore without the iterator to start its input afresh")
+        return held
 
     def _restore_from_tensors(self, tensors):
         steps = int(tensors["steps"])
@@ -279,16 +361,37 @@ class DistributedIterator:
                 f"iterator (leave it out of the Checkpoint) to start its input afresh")
         if "epoch" in tensors:
             steps = layouts.resume_step(saved, steps, ranks, self._engine.size)
+        held = None     # (none in checkpoints from before caches were saved: as they are)
+        if "cache" in tensors:
+            held = self._restored_caches(tensors["cache"], ranks if "epoch" in tensors
+                                         else self._engine.size)
+        if "epoch" in tensors:
             self._epoch, self._seed = int(tensors["epoch"]), int(tensors["seed"])
             self._dataset._epochs = self._epoch + 1
             self._dataset._seed = self._seed
         self._close()
+        for cache, contents in zip(self._caches(), held or ()):
+            cache.load(contents)
         self._steps, self._template = steps, None
         if steps and not self._layout.random_access and self._engine.rank == 0:
             warnings.warn(f"the restored dataset iterator replays {steps} steps: its pipeline "
                           f"has no random access ({_blocker_of(self._layout)}), so its position "
                           f"is found by reading again; a random-access pipeline (see "
                           f"ms.data.Dataset) seeks directly", stacklevel=2)
+
+
+class _CacheValue:
+    """The ``cache`` value of an iterator's state, gathered from every rank only when NumPy
+    reads it (``np.asarray``): a checkpoint reads its values on every rank at once, in one
+    order, when it writes them. Listing the state's keys (a restore, a rank attaching objects
+    to a checkpoint alone) gathers nothing."""
+
+    def __init__(self, iterator: "DistributedIterator"):
+        self._iterator = iterator
+
+    def __array__(self, dtype=None, copy=None):
+        value = self._iterator._gathered_caches()
+        return value if dtype is None else value.astype(dtype)
 
 
 def _policy_text(policy: str) -> str:

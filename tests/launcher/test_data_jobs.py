@@ -1,5 +1,6 @@
 """Distributed datasets as jobs under mpirun: a position saved at one width resumes the exact
-sequence at others (DATA), or is refused naming the policy (FILE); a rank that sees another
+sequence at others (DATA), or is refused naming the policy (FILE) or the cached row that the
+ranks computed differently (a random map below cache()); a rank that sees another
 copy of a file (its own mount namespace) makes every rank raise; a stopped rank ends the others'
 wait in the collective timeout."""
 
@@ -96,6 +97,69 @@ def test_a_file_sharded_position_is_refused_at_another_width(launch, tmp_path):
     assert refused.returncode == 0 and len(errors) == 4 and len(set(errors)) == 1, refused
     assert "saved at 2 ranks under AutoShardPolicy.FILE" in errors[0], errors[0]
     assert "AutoShardPolicy.DATA" in errors[0], errors[0]
+
+
+CACHED = """
+import hashlib, sys, numpy as np, mpistrat as ms
+from mpistrat.runtime import get_world
+world = get_world()
+directory, mode, kind = sys.argv[1], sys.argv[2], sys.argv[3]
+strategy = ms.MultiWorkerMirroredStrategy()
+rng = np.random.default_rng()               # no seed: other values in every process
+noise = (lambda x: x + rng.random()) if kind == "random" else (lambda x: x + 0.5)
+distributed = strategy.experimental_distribute_dataset(
+    ms.data.Dataset.range(40).map(noise).cache().shuffle(40, seed=5).batch(8))
+
+def show(epoch, step, batch):
+    parts = world.comm.allgather(np.asarray(batch.values[0]))
+    if world.rank == 0:
+        say("step", epoch, step, hashlib.sha256(np.concatenate(parts).tobytes()).hexdigest()[:16])
+
+if mode == "save":
+    for batch in distributed:           # epoch 0 fills each rank's cache with its rows
+        pass
+    iterator = iter(distributed)        # epoch 1: 3 steps, then the position is saved
+    for step in range(3):
+        next(iterator)
+    ms.Checkpoint(iterator=iterator).save(directory + "/pos")
+else:
+    iterator = iter(distributed)
+    try:
+        ms.Checkpoint(iterator=iterator).restore(ms.latest_checkpoint(directory))
+    except ValueError as err:
+        say("error", type(err).__name__, str(err).replace(chr(10), " "))
+        sys.exit(0)
+for step, batch in enumerate(iterator, 3):      # the rest of epoch 1, then epoch 2
+    show(1, step, batch)
+for step, batch in enumerate(distributed):
+    show(2, step, batch)
+say("done", world.rank)
+"""
+
+
+def test_a_cached_position_at_another_width_resumes_exactly_or_is_refused(launch, tmp_path):
+    """Issue 44: the checkpoint carries each rank's cache() rows. At another width a rank
+    takes every saved rank's rows: a deterministic map below the cache resumes the exact
+    global batches (as before), while a random map (each rank computed its rows anew, so
+    ranks hold other values for a row) is refused on every rank, naming the row, rather than
+    giving values the saved ranks would not have."""
+    fixed, random = tmp_path / "fixed", tmp_path / "random"
+    saved = launch(3, CACHED, str(fixed), "save", "fixed", limit=120)
+    assert saved.returncode == 0 and saved.output.count("done") == 3, saved
+    uninterrupted = _steps(saved.output)
+    assert len(uninterrupted) == (5 - 3) + 5, saved                # 40 rows in batches of 8
+    resumed = launch(2, CACHED, str(fixed), "resume", "fixed", limit=120)
+    assert resumed.returncode == 0 and resumed.output.count("done") == 2, resumed
+    assert _steps(resumed.output) == uninterrupted, resumed
+
+    saved = launch(3, CACHED, str(random), "save", "random", limit=120)
+    assert saved.returncode == 0 and saved.output.count("done") == 3, saved
+    refused = launch(2, CACHED, str(random), "resume", "random", limit=120)
+    errors = [l for l in refused.output.splitlines() if l.startswith("error ValueError")]
+    assert refused.returncode == 0 and len(errors) == 2 and len(set(errors)) == 1, refused
+    assert "cannot resume this dataset iterator at 2 ranks" in errors[0], errors[0]
+    assert "saved at 3 ranks" in errors[0] and "hold different values for row" in errors[0]
+    assert "done" not in refused.output
 
 
 OTHER_COPY = """

@@ -1,12 +1,13 @@
 """Distributed datasets at 1-4 ranks: TensorFlow's measured rebatch cases, policies, lockstep."""
 
 import itertools
+import warnings
 
 import numpy as np
 import pytest
 
 import mpistrat as ms
-from mpistrat.data import AutoShardPolicy, Dataset, Options
+from mpistrat.data import AutoShardPolicy, Dataset, Options, cache_state
 
 pytestmark = pytest.mark.numpy_only(
     "datasets yield NumPy batches from the host input pipeline (CuPy batches: "
@@ -155,6 +156,95 @@ def test_cache_under_a_distributed_dataset_keeps_each_ranks_rows_and_resumes(
     resumed = iter(pipeline(cache=True))
     ms.Checkpoint(iterator=resumed).restore(path).assert_consumed()
     assert rows(resumed) == rest
+
+
+def _rows_plus_noise(source):
+    """Rows 0-29, each plus a fraction drawn from a NumPy generator without a seed (fresh
+    entropy in every pipeline, so no two runs agree): a value's integer part is its row."""
+    rng = np.random.default_rng()
+    rows = Dataset.range(30) if source == "range" else Dataset.from_generator(
+        lambda: iter(range(30)), output_signature=ms.data.TensorSpec((), np.int64))
+    return rows.map(lambda x: x + rng.random())
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("source", ["range", "generator"])
+def test_a_resumed_cache_yields_the_values_a_random_map_gave_before_the_save(
+        strategy, world, tmp_path_factory, source):
+    """Issue 44: a map drawing from an unseeded random generator, cached, then shuffled (with
+    a seed) and batched, distributed; the iterator saved in the second epoch and restored
+    into a fresh pipeline (nothing cached, another generator) computed the cached rows again,
+    so the rest of the run had other values (18 of the 30 of the next epoch). The checkpoint
+    now carries what each rank's cache holds, as tf.data's iterator checkpoint carries its
+    cache: every value this rank was given before the save comes back bit for bit, in the
+    rest of the epoch and in the epochs after. Where every rank holds every row after the
+    first epoch (one rank; a generator source, which every rank reads whole), that is all
+    the values of the uninterrupted run."""
+    directory = world.comm.bcast(str(tmp_path_factory.mktemp("noise")) if world.rank == 0
+                                 else None)
+
+    def pipeline():
+        return strategy.experimental_distribute_dataset(
+            _rows_plus_noise(source).cache().shuffle(30, seed=7).batch(8))
+
+    def steps(batches):
+        return [np.asarray(batch.values[0]) for batch in batches]
+
+    first = pipeline()
+    before = steps(first)                                    # epoch 0 fills the cache
+    iterator = iter(first)                                   # the second epoch: 2 steps
+    before += steps(itertools.islice(iterator, 2))
+    path = ms.Checkpoint(iterator=iterator).save(directory + "/ckpt")
+    rest = steps(iterator) + steps(first) + steps(first)     # its rest, then two epochs more
+    fresh = pipeline()                                       # nothing cached, another generator
+    resumed = iter(fresh)
+    with warnings.catch_warnings():     # (the generator's pipeline replays its 2 steps: warned)
+        warnings.simplefilter("ignore")
+        ms.Checkpoint(iterator=resumed).restore(path).assert_consumed()
+    again = steps(resumed) + steps(fresh) + steps(fresh)
+
+    def rows(found):
+        return [step.astype(np.int64).tolist() for step in found]
+
+    assert len(rest) == 2 + 4 + 4 and rows(again) == rows(rest)   # the same rows, same places
+    known = {int(v) for step in before for v in step}        # in this rank's cache at the save
+    pairs = [(a, b) for x, y in zip(rest, again) for a, b in zip(x, y) if int(a) in known]
+    assert pairs and all(a.tobytes() == b.tobytes() for a, b in pairs)
+    if world.size == 1:
+        assert known == set(range(30))
+    if world.size == 1 or source == "generator":   # (the cache holds every row)
+        assert [s.tobytes() for s in again] == [s.tobytes() for s in rest]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_cache_larger_than_the_limit_is_refused_by_name_on_every_rank(
+        strategy, world, tmp_path_factory, monkeypatch):
+    """The cache travels in the checkpoint, so it is bounded: past
+    ``cache_state.LIMIT_BYTES`` (all ranks' rows together) the save raises the same
+    ``ValueError`` on every rank, naming the limit and each rank's bytes, and writes nothing;
+    under it the same iterator saves and resumes."""
+    directory = world.comm.bcast(str(tmp_path_factory.mktemp("limit")) if world.rank == 0
+                                 else None)
+
+    def make():
+        return iter(strategy.experimental_distribute_dataset(
+            Dataset.range(40).map(lambda x: x * 0.5).cache().batch(8)))
+
+    iterator = make()
+    next(iterator)
+    checkpoint = ms.Checkpoint(iterator=iterator)
+    monkeypatch.setattr(cache_state, "LIMIT_BYTES", 64)
+    with pytest.raises(ValueError, match="LIMIT_BYTES") as caught:
+        checkpoint.save(directory + "/ckpt")
+    assert len(set(world.comm.allgather(str(caught.value)))) == 1
+    assert all(f"rank {r}: " in str(caught.value) for r in range(world.size))
+    assert int(checkpoint.save_counter.numpy()) == 0 and ms.latest_checkpoint(directory) is None
+    monkeypatch.setattr(cache_state, "LIMIT_BYTES", 1 << 20)
+    path = checkpoint.save(directory + "/ckpt")
+    rest = [batch.values[0].tolist() for batch in iterator]
+    resumed = make()
+    ms.Checkpoint(iterator=resumed).restore(path).assert_consumed()
+    assert [batch.values[0].tolist() for batch in resumed] == rest
 
 
 def finite_rule(batch, ranks, rank):

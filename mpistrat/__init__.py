@@ -38,7 +38,7 @@ from mpistrat.distribute import (DistributedValues, InputContext, InputOptions, 
 from mpistrat.distribute.tpu import TPUStrategy  # noqa: E402
 from mpistrat import experimental, tpu  # noqa: E402
 from mpistrat.checkpoint import (Checkpoint, CheckpointManager, CheckpointOptions,  # noqa: E402
-                                 latest_checkpoint)
+                                 CheckpointManagerOptions, latest_checkpoint)
 from mpistrat import train  # noqa: E402
 from mpistrat import nn  # noqa: E402
 from mpistrat import preemption  # noqa: E402  (adds ms.distribute.experimental's handler)
@@ -58,6 +58,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy", "TPUStrategy", "tpu", "PerReplica", "ReplicaContext", "RunOptions", "Strategy",
     "ValueContext", "Variable", "VariableAggregation", "VariableSynchronization",
     "get_replica_context", "get_strategy", "has_strategy", "in_cross_replica_context",
-    "Checkpoint", "CheckpointManager", "CheckpointOptions", "latest_checkpoint", "train", "data",
+    "Checkpoint", "CheckpointManager", "CheckpointManagerOptions", "CheckpointOptions",
+    "latest_checkpoint", "train", "data",
     "distribute", "preemption", "io", "nn",
 ]

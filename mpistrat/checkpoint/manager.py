@@ -7,6 +7,10 @@
     ...     _ = step.assign_add(1); _ = manager.save()
     >>> [p.rsplit("/", 1)[1] for p in manager.checkpoints]
     ['ckpt-2', 'ckpt-3']
+
+With a directory first and no checkpoint object, the same name is Orbax's manager
+(``orbax_manager.OrbaxCheckpointManager``): ``ms.CheckpointManager(directory,
+options=ms.CheckpointManagerOptions(max_to_keep=3))``.
 """
 
 import os
@@ -35,7 +39,21 @@ class CheckpointManager:
     directories raise together). Only names inside the directory are trusted,
     and only files this library wrote are ever deleted. A failed save changes
     nothing: the list, the state file and ``save_counter`` stay as they were.
+
+    Called with a path first (``str`` or ``os.PathLike``) or with only ``directory=`` and no
+    ``checkpoint``, it makes Orbax's manager instead, an ``OrbaxCheckpointManager``:
+
+        >>> import tempfile, mpistrat as ms
+        >>> type(ms.CheckpointManager(tempfile.mkdtemp())).__name__
+        'OrbaxCheckpointManager'
     """
+
+    def __new__(cls, *args, **kwargs):
+        if cls is CheckpointManager and "checkpoint" not in kwargs and (
+                isinstance(args[0], (str, os.PathLike)) if args else "directory" in kwargs):
+            from mpistrat.checkpoint.orbax_manager import OrbaxCheckpointManager
+            return OrbaxCheckpointManager(*args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, checkpoint: Checkpoint, directory: str, max_to_keep: Optional[int],
                  keep_checkpoint_every_n_hours: Optional[float] = None,

@@ -62,14 +62,20 @@ def _check(comm):
     return health.HealthCheck(comm, [f[:2] for f in facts], 10.0, 3.0, [f[2] for f in facts])
 
 
-def _attack(before: set, outcome: dict) -> None:
-    """Wait for rank 0's new listeners, then connect to each and send every attack."""
+def _new_listeners(before: set, outcome: dict) -> list:
+    """Rank 0's listening sockets once they appear (at most 10 s), noted in ``outcome``."""
     deadline = time.monotonic() + 10
     targets = set()
     while not targets and time.monotonic() < deadline:
         targets = _listening() - before
         time.sleep(0.001)
     outcome["targets"] = sorted(targets)
+    return outcome["targets"]
+
+
+def _attack(before: set, outcome: dict) -> None:
+    """Wait for rank 0's new listeners, then connect to each and send every attack."""
+    targets = _new_listeners(before, outcome)
     socks = [(socket.create_connection(target, timeout=5), payload)
              for target in sorted(targets) for payload in ATTACKS.values()]
     for sock, payload in socks:
@@ -127,12 +133,7 @@ def test_hostile_connections_during_start_up_are_dropped_and_the_ranks_join(worl
 def _flood(before: set, outcome: dict, count: int) -> None:
     """Wait for rank 0's listeners, then hold ``count`` silent connections to each, opening
     a new one whenever rank 0 closes one, until the ranks have joined."""
-    deadline = time.monotonic() + 10
-    targets = set()
-    while not targets and time.monotonic() < deadline:
-        targets = _listening() - before
-        time.sleep(0.001)
-    outcome["targets"] = sorted(targets)
+    targets = _new_listeners(before, outcome)
     held, opened = [], 0
     for target in sorted(targets):
         for _ in range(count):

@@ -67,15 +67,22 @@ def reference_weights(epochs):
     return [np.asarray(v.value) for v in model.weights]
 
 
-@pytest.mark.mpi(min_size=1)
-def test_the_custom_loop_tutorial_trains_one_model_on_the_global_batch(world):
+def in_the_scope():
+    """The tutorial's set-up: model, optimizer and a metric made in the scope, and the
+    distributed dataset of the global batches."""
     strategy = ms.MultiWorkerMirroredStrategy()
     with strategy.scope():
         model, optimizer = build()
-        seen = keras.metrics.Mean()
+        metric = keras.metrics.Mean()
     x, y = data()
     dataset = strategy.experimental_distribute_dataset(
         ms.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+    return strategy, model, optimizer, metric, dataset
+
+
+@pytest.mark.mpi(min_size=1)
+def test_the_custom_loop_tutorial_trains_one_model_on_the_global_batch(world):
+    strategy, model, optimizer, seen, dataset = in_the_scope()
 
     rows = []
 
@@ -108,13 +115,7 @@ def test_the_custom_loop_tutorial_trains_one_model_on_the_global_batch(world):
 
 @pytest.mark.mpi(min_size=2)
 def test_skip_gradients_aggregation_applies_this_replicas_own(world):
-    strategy = ms.MultiWorkerMirroredStrategy()
-    with strategy.scope():
-        model, optimizer = build()
-        alone = keras.metrics.Mean()
-    x, y = data()
-    dataset = strategy.experimental_distribute_dataset(
-        ms.data.Dataset.from_tensor_slices((x, y)).batch(BATCH))
+    strategy, model, optimizer, alone, dataset = in_the_scope()
     batch = next(iter(dataset))
 
     def train_step(inputs):

@@ -11,7 +11,12 @@ local disk works too. Keras's ``TensorBoard`` needs TensorFlow: it is swapped fo
 ``ms.summary.TensorBoard``. ``for_fit`` hands Keras these callbacks wrapped so that they run on
 rank 0 alone; every rank meets rank 0 at the end of each epoch and of training, so the
 files are complete when ``fit`` returns anywhere, and a failure there (a full disk) raises
-on every rank. The other callbacks run on every rank as given::
+on every rank. Callbacks given on some ranks only (Horovod's "only on rank 0" pattern) run
+where given, with no collective; a ``BackupAndRestore`` among them must be on rank 0, which
+then gives every rank its restored epoch, weights and optimizer. Under ``mpistrat.horovod``
+(each rank its own rows) nothing is mirrored when training starts: the ranks must start alike
+or have ``hvd.callbacks.BroadcastGlobalVariablesCallback`` (else every rank raises, naming the
+ranks that differ). The other callbacks run on every rank as given::
 
     model.fit(x, y, callbacks=[keras.callbacks.ModelCheckpoint("best.keras",
                                                                save_best_only=True)])
@@ -61,12 +66,38 @@ def _writes_files(callback) -> bool:
                for name in RANK_ZERO_CALLBACKS)
 
 
+def _broadcasts(callback) -> bool:
+    return any(base.__name__ == "BroadcastGlobalVariablesCallback"
+               for base in type(callback).__mro__)
+
+
+def _weights_digest(model) -> str:
+    import hashlib
+
+    import numpy as np
+    digest = hashlib.blake2b(digest_size=16)
+    for variable in model.weights:
+        value = np.ascontiguousarray(np.asarray(variable.value))
+        digest.update(f"{value.dtype}{value.shape}".encode())
+        digest.update(value.tobytes())
+    return digest.hexdigest()
+
+
 def for_fit(model: Any, strategy: Any, callbacks: Optional[Sequence],
-            mirror: Callable) -> List:
+            mirror: Callable, per_rank_data: bool = False) -> List:
     """The callbacks ``fit`` runs: a first one that mirrors rank 0's weights when training
-    starts (for a model built only by ``fit``), then the user's, file writers on rank 0."""
+    starts (for a model built only by ``fit``), then the user's, file writers on rank 0.
+
+    ``per_rank_data`` (``mpistrat.horovod``): nothing is mirrored; as in Horovod,
+    ``hvd.callbacks.BroadcastGlobalVariablesCallback`` gives every rank its root's model and
+    optimizer after the first batch. Ranks that start from different weights with no such
+    callback on any rank raise a ``ValueError`` on every rank when training starts (Horovod
+    would train their copies apart). A ``BackupAndRestore`` given on rank 0 only (Horovod's
+    "only on rank 0" pattern) restores there, then rank 0's epoch, weights and optimizer are
+    given to every rank; one given on other ranks but not on rank 0 is refused by name."""
     import keras
     from mpistrat.collectives.agreement import Failure, agree_errors
+    from mpistrat.collectives.host_callbacks import settle
     engine, rank = strategy.extended.engine, strategy.extended.engine.rank
 
     class Mirror(keras.callbacks.Callback):
@@ -114,16 +145,68 @@ def for_fit(model: Any, strategy: Any, callbacks: Optional[Sequence],
                 agree_errors(engine, self.failure, what)     # complete, or all raise)
         return hook
 
+    class ShareRestored(keras.callbacks.Callback):
+        """After the callbacks' ``on_train_begin`` (rank 0's own ``BackupAndRestore``
+        restored there): rank 0's epoch, weights and optimizer on every rank."""
+
+        def on_train_begin(self, logs=None):
+            from mpistrat.keras_adapter import initial_epoch
+            settle()   # (host callbacks' collectives first: these are MPI's own calls)
+            if engine.broadcast_object(initial_epoch(model) is not None, 0):   # (restored)
+                _share_restored(model, engine)
+
+    class SameStart(keras.callbacks.Callback):
+        """Per-rank data (Horovod): when training starts, after every other callback's
+        ``on_train_begin``, the ranks hold the same weights, or some rank broadcasts them
+        after the first batch (``BroadcastGlobalVariablesCallback``); else every rank
+        raises, naming the ranks that differ from rank 0."""
+
+        def on_train_begin(self, logs=None):
+            from mpistrat.collectives.objects import allgather_object
+            settle()
+            views = allgather_object(engine, (any(_broadcasts(c) for c in given),
+                                              _weights_digest(model)),
+                                     "model.fit: the ranks' starting weights")
+            if any(broadcasting for broadcasting, _ in views):
+                return
+            apart = [r for r, (_, digest) in enumerate(views) if digest != views[0][1]]
+            if apart:
+                raise ValueError(
+                    f"model.fit with hvd.DistributedOptimizer: the ranks start from different "
+                    f"weights (rank(s) {', '.join(map(str, apart))} differ from rank 0) and no "
+                    f"rank has hvd.callbacks.BroadcastGlobalVariablesCallback, so each rank "
+                    f"would train its own copy apart (Horovod does so silently). Add "
+                    f"hvd.callbacks.BroadcastGlobalVariablesCallback(0) to the callbacks on "
+                    f"every rank (after the first batch every rank takes rank 0's model and "
+                    f"optimizer, as Horovod's), or build the model from the same seed on "
+                    f"every rank (keras.utils.set_random_seed)")
+
     for name in _HOOKS:
         setattr(OnRankZero, name, delegate(name))
     given = [_without_tensorflow(c) for c in (callbacks or [])]
+    first = [] if per_rank_data else [Mirror()]
+    last = [SameStart()] if per_rank_data else []
     writers = [type(c).__name__ for c in given if _writes_files(c)]
-    if len({tuple(w) for w in [writers] + engine.comm.allgather(writers)}) > 1:
+    restores = any(_restores(c) for c in given)
+    settle()   # (a step's host callbacks still reducing go first: this is MPI's own allgather)
+    views = engine.comm.allgather((writers, restores))
+    if len({tuple(w) for w, _ in views}) > 1:
         # the ranks were given other file writers (Horovod's "only on rank 0" pattern): each
-        # runs where it was given, with no collective that the other ranks would never join
-        return [Mirror()] + given
+        # runs where it was given, with no collective that the other ranks would never join;
+        # a BackupAndRestore there restores on rank 0, which then gives every rank its epoch,
+        # weights and optimizer (else rank 0 would resume at a later epoch than the others)
+        restoring = [r for r, (_, res) in enumerate(views) if res]
+        if restoring and restoring[0] != 0:
+            raise ValueError(
+                f"model.fit: a BackupAndRestore is given on rank(s) "
+                f"{', '.join(map(str, restoring))} but not on rank 0, so those ranks would "
+                f"resume at another epoch than the others; give it on rank 0 (Horovod's "
+                f"pattern: rank 0 restores and every rank takes its epoch, weights and "
+                f"optimizer) or on every rank")
+        shared = [ShareRestored()] if restoring else []
+        return first + given + shared + last
     given = [OnRankZero(c) if _writes_files(c) else c for c in given]
-    return [Mirror()] + given
+    return first + given + last
 
 
 def _without_tensorflow(callback: Any) -> Any:

@@ -6,6 +6,9 @@ Pure checks of ``fit``'s arguments and collective agreements (every rank raises 
   data); a rank that passed other rows is named, before anything trains;
 * ``same_steps_everywhere``: with each rank's own data (Horovod's contract) every rank makes
   the same number of steps, else each rank's count is named (Horovod would hang);
+* ``agreed_batches``: each rank's own Python generator (its length unknown until it runs
+  dry) yields a batch only when every rank's has one; when some run dry before the others,
+  every rank raises naming each rank's count (Horovod would hang);
 * ``_refuse_sum_reduction``: a loss with ``reduction="sum"`` is refused by name;
 * ``_split_off``: Keras's ``validation_split`` on arrays, the last rows held out::
 
@@ -17,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["same_arrays_everywhere", "same_steps_everywhere"]
+__all__ = ["same_arrays_everywhere", "same_steps_everywhere", "agreed_batches"]
 
 
 def _rows(tree) -> int:
@@ -27,7 +30,11 @@ def _rows(tree) -> int:
 
 
 def _is_arrays(x) -> bool:
+    import types
+
     import jax
+    if isinstance(x, (types.GeneratorType, types.AsyncGeneratorType)):
+        return False   # (JAX deprecates taking a generator as a pytree leaf)
     leaves = jax.tree_util.tree_leaves(x)
     return bool(leaves) and all(isinstance(leaf, np.ndarray) or type(leaf).__module__.startswith(
         "jax") for leaf in leaves)
@@ -86,6 +93,45 @@ def same_steps_everywhere(strategy: Any, data: Any, steps: Any, what: str) -> No
             f"the gradient all-reduce; give every rank as many rows (e.g. shard with "
             f"x[hvd.rank()::hvd.size()] over a row count that hvd.size() divides), or pass a "
             f"step count no rank exceeds (<= {int(lengths.min())})")
+
+
+def agreed_batches(strategy: Any, data: Any, what: str) -> Any:
+    """``data`` as it is, unless it is a Python generator (per-rank data, Horovod's contract):
+    then a generator that, before each batch, agrees with every rank whether each has one
+    (one small all-gather per batch). All have one: it is yielded; none: the epoch ends on
+    every rank together; some but not all: ``ValueError`` on every rank naming each rank's
+    count (where the ranks with more would wait forever in the gradient all-reduce)."""
+    import types
+    if not isinstance(data, types.GeneratorType):
+        return data
+    engine = strategy.extended.engine
+    label = f"model.{what}: whether each rank's generator has a next batch"
+
+    def batches():
+        taken = 0
+        while True:
+            try:
+                batch, has = next(data), 1
+            except StopIteration:
+                batch, has = None, 0
+            flags = np.asarray(engine.all_gather(np.array([has], np.int64), 0,
+                                                 label=label)).reshape(-1)
+            if flags.all():
+                taken += 1
+                yield batch
+                continue
+            if not flags.any():
+                return
+            per_rank = ", ".join(f"rank {r}: {taken}" if not f else
+                                 f"rank {r}: more than {taken}" for r, f in enumerate(flags))
+            raise ValueError(
+                f"model.{what} with each rank's own generator: the ranks' generators give "
+                f"different numbers of batches ({per_rank}), so the ranks with more would "
+                f"wait forever in the gradient all-reduce (Horovod hangs here); give every "
+                f"rank's generator as many batches, or pass a step count (steps_per_epoch, "
+                f"validation_steps, steps) that every rank's generator can give")
+
+    return batches()
 
 
 def _split_off(x, y, sample_weight, fraction: float):

@@ -7,7 +7,8 @@ that ``compile`` is Keras's own, still compiles the models it loads):
 
 * ``compile`` inside ``strategy.scope()`` distributes the model
   (``keras_support.distribute_model``), and so does a compile with an optimizer from
-  ``mpistrat.horovod.DistributedOptimizer`` (each rank its own rows);
+  ``mpistrat.horovod.DistributedOptimizer`` (each rank its own rows; such an optimizer
+  reduces the gradients it is handed in custom loops itself: ``horovod/optimizer.py``);
 * a Keras optimizer's ``apply_gradients`` inside ``strategy.run`` of several replicas sums
   the gradients over the replicas first, as TensorFlow's optimizers do in a replica context
   (the custom-loop tutorial scales its loss by the global batch, so the sum is the mean);
@@ -71,8 +72,10 @@ def install() -> None:
                 and getattr(strategy.extended, "variable_class", None) is None):
             distribute_model(self, strategy)
         elif strategy is None and _horovod_strategy(self.optimizer) is not None:
-            # hvd.DistributedOptimizer (maybe inside Keras's LossScaleOptimizer): each rank
-            # its own rows, gradients averaged
+            # hvd.DistributedOptimizer (maybe inside Keras's LossScaleOptimizer, which then
+            # reduces at its own entry): each rank its own rows, gradients averaged
+            from mpistrat.horovod.optimizer import wrap_outer
+            wrap_outer(self.optimizer)
             distribute_model(self, _horovod_strategy(self.optimizer), per_rank_data=True)
         return result
 

@@ -32,7 +32,10 @@ What changes for a compiled model (instance attributes; the Keras classes are un
 
 * Weights: a compile inside the scope gives every rank rank 0's values of the model's
   variables (or ``fit`` does, when the model is built only then), so ranks never train
-  apart from different initial values, seeded or not (``mirror_weights``).
+  apart from different initial values, seeded or not (``mirror_weights``). Under
+  ``mpistrat.horovod`` (``per_rank_data``) nothing is sent at compile, as in Horovod:
+  ``BroadcastGlobalVariablesCallback`` gives every rank its root's after the first batch,
+  and ranks that start apart without it raise by name when training starts.
 * BatchNormalization's moving statistics (no other non-trainable state) are averaged over the
   ranks that had rows at each step (the mean TensorFlow reads and saves of its per-replica
   copies), so they are the same on every rank and a checkpoint takes them.
@@ -42,7 +45,10 @@ What changes for a compiled model (instance attributes; the Keras classes are un
 Not done: metrics whose state is not a sum (e.g. ``max``) are wrong. An ``ms``
 distributed dataset (``strategy.experimental_distribute_dataset``) is iterated afresh each
 epoch as it is (it already gives each rank its share and stops on the same step everywhere);
-Python generators and other inputs are passed to Keras unchanged and must do the same.
+Python generators and other inputs are passed to Keras unchanged and must do the same, except
+under ``mpistrat.horovod``, where each rank's generator yields a batch only when every rank's
+has one, and ranks whose generators run dry at different steps raise, naming each rank's count
+(``keras_checks.agreed_batches``).
 """
 
 import math
@@ -50,9 +56,11 @@ from typing import Any
 
 import numpy as np
 
+from mpistrat.horovod.optimizer import reduced_here
 from mpistrat.keras_callbacks import for_fit
 from mpistrat.keras_checks import (_is_arrays, _refuse_sum_reduction, _rows,  # noqa: F401
-                                   _split_off, same_arrays_everywhere, same_steps_everywhere)
+                                   _split_off, agreed_batches, same_arrays_everywhere,
+                                   same_steps_everywhere)
 from mpistrat.keras_hooks import global_metrics
 from mpistrat.keras_hooks import train_alone  # noqa: F401  (ms.keras_support.train_alone)
 from mpistrat.keras_sync_bn import bind as bind_sync_bn, synchronizes
@@ -142,6 +150,16 @@ def _scalar_loss(compute):
     return scalar
 
 
+def _horovod_reduction(optimizer: Any) -> Any:
+    """The ``GradientReduction`` of an ``hvd.DistributedOptimizer`` (maybe inside Keras's
+    ``LossScaleOptimizer``), else ``None``."""
+    for candidate in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        reduction = getattr(candidate, "_mpistrat_hvd_reduction", None)
+        if reduction is not None:
+            return reduction
+    return None
+
+
 def mirror_weights(model: Any, strategy: Any) -> None:
     """Give every rank rank 0's values of ``model``'s variables (collective), as variables
     created in a TensorFlow strategy's scope start from one replica's initial values."""
@@ -162,7 +180,11 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
     ``per_rank_data=True`` is Horovod's contract (``mpistrat.horovod``): the arrays each rank
     passes are its own rows and ``batch_size`` is its own batch; the ranks must make the same
     number of steps (checked: a mismatch raises naming each rank's count, where Horovod
-    would hang); ``predict`` predicts this rank's rows only.
+    would hang; generators are checked batch by batch); ``predict`` predicts this rank's rows
+    only; no weights are sent (``BroadcastGlobalVariablesCallback`` does it after the first
+    batch); an ``hvd.DistributedOptimizer`` with ``op=Sum``, compression or a predivide
+    factor reduces each rank's mean gradient by Horovod's rules, and one with
+    ``backward_passes_per_step`` other than 1 is refused by name.
     """
     import jax
     import jax.numpy as jnp
@@ -213,8 +235,18 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
             grads = jax.tree_util.tree_map(jnp.zeros_like, trainable)
             new_metrics = metrics_vars
         weight = jnp.asarray(rows, jnp.float32)
-        weighted = jax.tree_util.tree_map(
-            lambda g: jnp.where(present, g * weight.astype(g.dtype), jnp.zeros_like(g)), grads)
+        # hvd.DistributedOptimizer with op=Sum, compression or a predivide factor: each
+        # rank's own mean gradient reduced by Horovod's rules; else weighted by rows below
+        horovod = _horovod_reduction(model.optimizer) if per_rank_data else None
+        horovod = horovod.for_fit() if horovod is not None else None
+        if horovod is not None:
+            local = jax.tree_util.tree_map(
+                lambda g: jnp.where(present, g, jnp.zeros_like(g)), grads)
+            weighted = []
+        else:
+            weighted = jax.tree_util.tree_map(
+                lambda g: jnp.where(present, g * weight.astype(g.dtype), jnp.zeros_like(g)),
+                grads)
         deltas = summed_deltas(metrics_vars, new_metrics, present)
         # float state (BatchNormalization's moving statistics): the mean over the ranks
         # with rows, the value TensorFlow reads and saves of its per-replica copies
@@ -226,10 +258,14 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
         non_trainable = [v if f is None else jnp.where(
             holders > 0, f / jnp.maximum(holders, 1.0).astype(f.dtype), v)
             for v, f in zip(non_trainable, floats)]
-        grads = jax.tree_util.tree_map(
-            lambda g: g / jnp.maximum(total_rows, 1.0).astype(g.dtype), weighted)
-        trainable, optimizer_vars = model.optimizer.stateless_apply(optimizer_vars, grads,
-                                                                    trainable)
+        if horovod is not None:
+            grads = horovod(list(local))
+        else:
+            grads = jax.tree_util.tree_map(
+                lambda g: g / jnp.maximum(total_rows, 1.0).astype(g.dtype), weighted)
+        with reduced_here():   # (reduced above: a DistributedOptimizer applies them as they are)
+            trainable, optimizer_vars = model.optimizer.stateless_apply(optimizer_vars, grads,
+                                                                        trainable)
         metrics_vars = [o + d for o, d in zip(metrics_vars, deltas)]
         return metrics_logs(metrics_vars), (trainable, non_trainable, optimizer_vars,
                                             metrics_vars)
@@ -288,11 +324,16 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
             kwargs.pop("validation_batch_size", None)
         x, y, sample_weight, batch_size = share(x, y, sample_weight, batch_size, shuffle)
         if per_rank_data:
+            horovod = _horovod_reduction(model.optimizer)
+            if horovod is not None:
+                horovod.for_fit()   # (what fit refuses, before anything runs)
+            x = agreed_batches(strategy, x, "fit")
+            validation_data = agreed_batches(strategy, validation_data, "fit (validation)")
             same_steps_everywhere(strategy, x, kwargs.get("steps_per_epoch"), "fit")
             if validation_data is not None:
                 same_steps_everywhere(strategy, validation_data,
                                       kwargs.get("validation_steps"), "validation")
-        callbacks = for_fit(model, strategy, callbacks, mirror_weights)
+        callbacks = for_fit(model, strategy, callbacks, mirror_weights, per_rank_data)
         with global_metrics():   # (its metrics hold the replicas' sums already)
             return cls.fit(model, x, y, batch_size=batch_size, epochs=epochs,
                            verbose=verbose, callbacks=callbacks,
@@ -308,6 +349,7 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
                                     sample_weight=sample_weight, **kwargs)
         x, y, sample_weight, batch_size = share(x, y, sample_weight, batch_size, False)
         if per_rank_data:
+            x = agreed_batches(strategy, x, "evaluate")
             same_steps_everywhere(strategy, x, kwargs.get("steps"), "evaluate")
         with global_metrics():
             return cls.evaluate(model, x, y, batch_size=batch_size, verbose=verbose,
@@ -335,7 +377,7 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
         object.__setattr__(model, name, fn)
     model.train_function = model.test_function = None
     model._mpistrat_strategy = strategy
-    if model.built:   # weights made in the scope start alike on every rank (rank 0's)
-        mirror_weights(model, strategy)
-        model._mpistrat_mirrored = True
+    if model.built and not per_rank_data:   # weights made in the scope start alike on every
+        mirror_weights(model, strategy)     # rank (rank 0's); under Horovod nothing is sent
+        model._mpistrat_mirrored = True     # here (BroadcastGlobalVariablesCallback does it)
     return model

@@ -21,8 +21,8 @@ What it does, Horovod's contract kept: each rank trains on the rows it is given,
 which is Horovod's plain average when the ranks' batches are equal) before the optimizer
 applies them, so the weights stay the same on every rank; metrics are summed over the ranks
 (the logs are global and the same everywhere, so ``MetricAverageCallback`` leaves them as they
-are). Where Horovod hangs (ranks with different numbers of batches) every rank raises a
-``ValueError`` naming each rank's count.
+are). Where Horovod hangs (ranks with different numbers of batches, from arrays or from
+generators) every rank raises a ``ValueError`` naming each rank's count.
 
 ``allreduce`` gives Horovod's numbers: ``op`` is ``Average`` (the default), ``Sum``, ``Min``,
 ``Max`` or ``Product`` (``average=`` the old way, never with ``op=``); ``prescale_factor``
@@ -36,9 +36,16 @@ raise, naming each rank's. ``broadcast_object`` and ``allgather_object`` agree t
 the name given in the exchange that carries the objects. Not supported, and refused by name
 (``NotSupportedError``, both a ``NotImplementedError`` and a ``ValueError``): ``op=Adasum``,
 process sets other than the global one, ``hvd.elastic`` (mpistrat's elastic jobs requeue
-and resume: ``slurm/train_elastic.sbatch``); ``DistributedOptimizer`` and ``load_model``
-refuse ``Adasum``, ``Product``, gradient compression other than none and
-``backward_passes_per_step`` other than 1.
+and resume: ``slurm/train_elastic.sbatch``); ``DistributedOptimizer`` takes ``op=Average``
+or ``Sum`` only (as Horovod's Keras one), and ``model.fit`` refuses it with
+``backward_passes_per_step`` other than 1 (custom loops honour it).
+
+``DistributedOptimizer`` reduces the gradients wherever the optimizer is handed them: in
+``fit``, and in custom loops (``apply_gradients``, ``apply``, ``stateless_apply``), with
+Horovod's ``op``, ``gradient_predivide_factor``, ``compression`` and
+``backward_passes_per_step`` (``optimizer.py``). Nothing is broadcast at compile:
+``BroadcastGlobalVariablesCallback`` gives every rank its root's model and optimizer after
+the first batch, as Horovod's.
 
 Beside them: ``shutdown``/``is_initialized`` (after ``shutdown()`` calls raise
 ``NotInitializedError`` until ``init()`` again; MPI stays up), ``mpi_threads_supported``
@@ -512,43 +519,103 @@ def join() -> int:
     return int(np.asarray(last).reshape(-1)[0])
 
 
-def DistributedOptimizer(optimizer: Any, name: str = None, compression: Any = Compression.none,
-                         sparse_as_dense: bool = False, backward_passes_per_step: int = 1,
-                         op: Any = Average, **kwargs: Any) -> Any:  # noqa: N802 - Horovod's name
-    """``optimizer`` (a Keras 3 optimizer), marked so that ``model.compile(optimizer=...)``
-    makes the model average each step's gradients over the ranks, each rank training on
-    its own rows; returns the same optimizer object. Given an optax
-    ``GradientTransformation``, returns ``optax.chain(ms.nn.aggregate_gradients(...), tx)``:
-    the gradients averaged over the ranks (inside ``jax.jit`` too) before ``tx`` sees them::
+def DistributedOptimizer(optimizer: Any, name: str = None, device_dense: str = "",  # noqa: N802
+                         device_sparse: str = "", compression: Any = Compression.none,
+                         sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                         op: Any = Average, backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0,
+                         groups: Any = None, process_set: Any = global_process_set,
+                         scale_local_gradients: bool = True) -> Any:
+    """``optimizer`` (a Keras 3 optimizer) reducing over the ranks every gradient it is
+    handed, by Horovod's rules; returns the same optimizer object::
+
+        opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size()))
+        model.compile(optimizer=opt, loss="mse")    # fit: each rank its own rows
+        opt.apply_gradients(zip(grads, model.trainable_variables))   # or a custom loop
+
+    In ``model.fit`` the distributed train step reduces each step's gradients (the default
+    average weighted by rows, Horovod's when the ranks' batches are equal); in a custom loop
+    ``apply_gradients``/``apply`` reduce them on the host first, and ``stateless_apply`` in a
+    host callback (inside ``jax.jit`` too). ``op``: ``Average`` (the default) or ``Sum``
+    (Horovod's Keras optimizer takes no other); ``gradient_predivide_factor`` ``f``: the
+    average as ``1/f`` before the sum and ``f/size`` after it; ``compression``: on the wire
+    (``Compression.fp16``); ``backward_passes_per_step=N``: N calls summed on this rank (the
+    weights unchanged, ``iterations`` counting each call), the N-th reduces the sum (divided
+    by N with ``average_aggregated_gradients=True``) and applies it. ``model.fit`` refuses
+    ``N > 1`` by name (its step applies every step), and so does ``stateless_apply``.
+    ``device_dense``, ``device_sparse``, ``sparse_as_dense``, ``num_groups`` and ``groups``
+    change how Horovod schedules its transfers, not the numbers: accepted and unused (JAX's
+    gradients are dense). ``process_set``: the global one only. ``scale_local_gradients``:
+    there are no local variables (``register_local_var`` is Horovod's), so it changes nothing.
+
+    Given an optax ``GradientTransformation``, returns one that reduces the updates the same
+    way (inside ``jax.jit`` too; ``backward_passes_per_step`` accumulated in its state)
+    before the given one sees them::
 
         tx = hvd.DistributedOptimizer(optax.adam(1e-3))
         opt_state = tx.init(params)       # then tx.update(grads, opt_state, params) per step
     """
-    _optimizer_options("hvd.DistributedOptimizer", compression, backward_passes_per_step, op)
-    _strategy()
+    what = "hvd.DistributedOptimizer"
+    reduction = _gradient_reduction(what, name, compression, gradient_predivide_factor, op,
+                                    backward_passes_per_step, average_aggregated_gradients,
+                                    process_set)
+    from mpistrat.horovod import optimizer as distributed
     if not hasattr(optimizer, "apply_gradients") and hasattr(optimizer, "update") and \
             hasattr(optimizer, "init"):                       # an optax transformation
-        import optax
-        from mpistrat.nn import aggregate_gradients
-        return optax.chain(aggregate_gradients(_strategy(), "MEAN"), optimizer)
+        return distributed.optax_transformation(optimizer, reduction)
+    if not hasattr(optimizer, "apply") or not hasattr(optimizer, "stateless_apply"):
+        raise TypeError(f"{what}: {type(optimizer).__name__} is neither a Keras 3 optimizer "
+                        f"nor an optax GradientTransformation")
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if reduction.passes > 1 and getattr(inner, "gradient_accumulation_steps", None):
+        raise NotSupportedError(f"{what}: backward_passes_per_step={reduction.passes} with an "
+                                f"optimizer that accumulates itself (gradient_accumulation_steps="
+                                f"{inner.gradient_accumulation_steps}) would accumulate twice; "
+                                f"give one of them")
     from mpistrat import keras_hooks
     keras_hooks.install()
-    optimizer._mpistrat_horovod = _strategy()
-    return optimizer
+    return distributed.distribute(optimizer, reduction)
 
 
-def _optimizer_options(what: str, compression: Any, backward_passes_per_step: int = 1,
-                       op: Any = Average) -> None:
-    """``DistributedOptimizer``'s refusals (``NotSupportedError``, a ``ValueError``)."""
-    if compression not in (None, Compression.none):
-        raise NotSupportedError(f"{what}: compression={_compression_name(compression)} is not "
-                                f"supported; gradients travel uncompressed (Compression.none)")
-    if backward_passes_per_step != 1:
-        raise NotSupportedError(f"{what}: backward_passes_per_step="
-                                f"{backward_passes_per_step!r} is not supported; it must be 1")
-    if op != Average:
-        raise NotSupportedError(f"{what}: op={op!r} is not supported; gradients are averaged "
-                                f"over the ranks (op=hvd.Average)")
+def _gradient_reduction(what: str, name: Any = None, compression: Any = Compression.none,
+                        gradient_predivide_factor: float = 1.0, op: Any = Average,
+                        backward_passes_per_step: int = 1,
+                        average_aggregated_gradients: bool = False,
+                        process_set: Any = None) -> Any:
+    """``DistributedOptimizer``'s options checked (on this rank alone: ``load_model`` may run
+    on rank 0 only, as Horovod's resume examples do), as a ``GradientReduction``."""
+    if op not in (Average, Sum):
+        raise NotSupportedError(f"{what}: op={op!r} is not supported; Horovod's Keras "
+                                f"DistributedOptimizer reduces gradients with op=hvd.Average "
+                                f"or op=hvd.Sum only")
+    if compression is None:
+        compression = Compression.none
+    if not (callable(getattr(compression, "compress", None)) and
+            callable(getattr(compression, "decompress", None))):
+        raise ValueError(f"{what}: compression={compression!r} is not a compressor "
+                         f"(Compression.none, Compression.fp16, or a class with compress and "
+                         f"decompress)")
+    if isinstance(backward_passes_per_step, bool) or \
+            not isinstance(backward_passes_per_step, (int, np.integer)) or \
+            backward_passes_per_step <= 0:
+        raise ValueError(f"{what}: backward_passes_per_step={backward_passes_per_step!r} must "
+                         f"be an integer > 0")
+    try:
+        predivide = float(np.float32(float(gradient_predivide_factor)))
+    except (TypeError, ValueError):
+        raise TypeError(f"{what}: gradient_predivide_factor={gradient_predivide_factor!r} is "
+                        f"not a number") from None
+    if predivide == 0.0:
+        raise ValueError(f"{what}: gradient_predivide_factor=0 divides by zero")
+    if not (process_set is None or process_set is global_process_set or
+            getattr(process_set, "process_set_id", None) == 0):
+        raise NotSupportedError(f"{what}: process_set={process_set!r} is not supported; "
+                                f"mpistrat.horovod reduces over every rank "
+                                f"(global_process_set)")
+    from mpistrat.horovod.optimizer import GradientReduction
+    return GradientReduction(_strategy(), op, compression, predivide,
+                             int(backward_passes_per_step), bool(average_aggregated_gradients),
+                             name)
 
 
 def load_model(filepath: Any, custom_optimizers: Any = None, custom_objects: Any = None,
@@ -561,16 +628,19 @@ def load_model(filepath: Any, custom_optimizers: Any = None, custom_objects: Any
 
     ``custom_optimizers``: optimizer classes of your own the file names (found by their class
     names); ``custom_objects``: Keras's. Any optimizer the file holds is wrapped, Keras's own
-    or yours. ``compression`` is ``DistributedOptimizer``'s (``Compression.none`` only);
-    ``legacy_opts=True`` (``tf.keras.optimizers.legacy``) is refused: Keras 3 has no legacy
-    optimizers. A legacy ``.h5`` file's optimizer state (momentums, ...) is restored too
-    (Keras 3 alone leaves it fresh). A model saved without compiling comes back as it is.
-    Needs ``init()``; every rank loads the file (put it where every rank can read it)."""
+    or yours. ``compression`` is ``DistributedOptimizer``'s; ``legacy_opts=True``
+    (``tf.keras.optimizers.legacy``) is refused: Keras 3 has no legacy optimizers. A legacy
+    ``.h5`` file's optimizer state (momentums, ...) is restored too (Keras 3 alone leaves it
+    fresh). A model saved without compiling comes back as it is. Needs ``init()``; no
+    collective, so Horovod's resume works as there: rank 0 loads, the other ranks build and
+    compile afresh, and ``BroadcastGlobalVariablesCallback(0)`` gives every rank rank 0's
+    model and optimizer after the first batch (or load on every rank, from a file every rank
+    can read)."""
     what = "hvd.load_model"
     if legacy_opts:
         raise NotSupportedError(f"{what}(legacy_opts=True): Keras 3 has no legacy optimizers "
                                 f"(tf.keras.optimizers.legacy); load with legacy_opts=False")
-    _optimizer_options(what, compression)
+    _gradient_reduction(what, compression=compression)   # (refused before the file is read)
     strategy = _strategy()
     import keras
     objects = {cls.__name__: cls for cls in (custom_optimizers or ())}

@@ -23,14 +23,22 @@ __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
-    """At the start of training, every rank takes rank ``root_rank``'s model and optimizer
-    variables (so ranks that built their models apart, or restored on one rank, agree)."""
+    """After the first batch of training, every rank takes rank ``root_rank``'s model and
+    optimizer variables (so ranks that built their models apart, or restored on one rank,
+    agree), as Horovod's: the first batch runs on each rank's own weights, its gradients are
+    averaged and applied on every rank, then the root's model and optimizer (built by then
+    on every rank, so a rank that loaded a file with optimizer slots and ranks that start
+    afresh send the same variables) replace every other rank's. Once per callback object,
+    as Horovod's ``broadcast_done``."""
 
     def __init__(self, root_rank: int = 0, device: str = ""):
         super().__init__()
         self.root_rank = root_rank
+        self.broadcast_done = False
 
-    def on_train_begin(self, logs: Optional[dict] = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        if self.broadcast_done:
+            return
         model = self.model
         if hasattr(model, "jax_state_sync"):
             model.jax_state_sync()
@@ -38,6 +46,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         variables = list(model.variables) + (list(optimizer.variables) if optimizer else [])
         hvd.broadcast_variables(variables, self.root_rank)
         reload_state(model)   # the next step reads the variables again
+        self.broadcast_done = True
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

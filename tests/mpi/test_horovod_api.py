@@ -334,8 +334,9 @@ def test_load_model_wraps_the_optimizer_and_keeps_its_state(keras, world, shared
 
 def test_load_model_refuses_what_distributed_optimizer_refuses(keras, shared_dir):
     path = os.path.join(shared_dir, "none.keras")
-    with pytest.raises(hvd.NotSupportedError, match="compression=Compression.fp16 is not "
-                                                    "supported"):
-        hvd.load_model(path, compression=hvd.Compression.fp16)
+    with pytest.raises(ValueError, match="compression='fp16' is not a compressor"):
+        hvd.load_model(path, compression="fp16")
+    with pytest.raises(hvd.NotSupportedError, match="op='Adasum' is not supported"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum)
     with pytest.raises(hvd.NotSupportedError, match="legacy_opts=True"):
         hvd.load_model(path, legacy_opts=True)

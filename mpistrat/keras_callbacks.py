@@ -184,6 +184,9 @@ def for_fit(model: Any, strategy: Any, callbacks: Optional[Sequence],
     for name in _HOOKS:
         setattr(OnRankZero, name, delegate(name))
     given = [_without_tensorflow(c) for c in (callbacks or [])]
+    for i, callback in enumerate(given):   # (MetricAverageCallback names them when logs differ)
+        if getattr(type(callback), "_wants_callbacks_before", False):
+            callback.callbacks_before = [type(c).__name__ for c in given[:i]]
     first = [] if per_rank_data else [Mirror()]
     last = [SameStart()] if per_rank_data else []
     writers = [type(c).__name__ for c in given if _writes_files(c)]

@@ -84,6 +84,14 @@ def same_steps_everywhere(strategy: Any, data: Any, steps: Any, what: str) -> No
         short = lengths.size and int(lengths.min()) < steps
     else:
         short = (known >= 0).all() and len(set(lengths.tolist())) > 1
+    if short and len(set(lengths.tolist())) == 1 and (known >= 0).all():
+        step_name = {"fit": "steps_per_epoch", "validation": "validation_steps"}.get(what,
+                                                                                  "steps")
+        raise ValueError(
+            f"model.{what} with each rank's own data: {step_name}={steps} is larger than the "
+            f"{int(lengths.min())} batches every rank has, so every rank would run out of "
+            f"data before the {step_name} ends; pass {step_name} <= {int(lengths.min())} (or "
+            f"none: one pass over the data), or give each rank more rows")
     if short:
         per_rank = ", ".join(f"rank {r}: {int(c)}" for r, c in enumerate(known))
         asked_text = f" for {steps} steps" if steps >= 0 else ""

@@ -133,6 +133,17 @@ def _epochs_of(dataset):
     return each_epoch(lambda: (local(batch) for batch in dataset))
 
 
+def _own_epochs(strategy, dataset, what: str):
+    """A Keras data adapter over this rank's own ``ms.data.Dataset`` (Horovod's contract:
+    per-rank data), iterated afresh each epoch; before each batch the ranks agree that each
+    has one (``agreed_batches``), so datasets of different lengths raise on every rank naming
+    each rank's count instead of leaving some waiting in the gradient all-reduce."""
+    from mpistrat.keras_adapter import each_epoch
+    from mpistrat.keras_checks import agreed_batches
+    return each_epoch(lambda: agreed_batches(
+        strategy, (batch for batch in dataset.as_numpy_iterator()), what))
+
+
 def _statistics(model) -> list:
     """Per non-trainable variable: whether it is a running statistic averaged over the ranks
     (BatchNormalization's ``moving_mean`` and ``moving_variance``; a frozen layer's kernel is
@@ -285,13 +296,15 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
         metrics_vars = [o + d for o, d in zip(metrics_vars, deltas)]
         return metrics_logs(metrics_vars), (trainable, non_trainable, metrics_vars)
 
-    def share(x, y, sample_weight, batch_size, shuffle):
+    def share(x, y, sample_weight, batch_size, shuffle, what="fit"):
         from mpistrat.data.dataset import Dataset
         from mpistrat.data.distributed import DistributedDataset
         if isinstance(x, Dataset) and not per_rank_data:   # as Keras under a TF strategy:
             x = strategy.experimental_distribute_dataset(x)   # batches of the global batch
         if isinstance(x, DistributedDataset):   # already this rank's share of each batch
             return _epochs_of(x), y, sample_weight, None
+        if isinstance(x, Dataset):   # Horovod: each rank iterates its own dataset, the ranks
+            return _own_epochs(strategy, x, what), y, sample_weight, None   # agreeing per batch
         if not _is_arrays(x):
             return x, y, sample_weight, batch_size
         arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
@@ -317,6 +330,8 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
             validation_data = strategy.experimental_distribute_dataset(validation_data)
         if isinstance(validation_data, DistributedDataset):   # (Keras: "Unrecognized data type")
             validation_data = _epochs_of(validation_data)
+        elif isinstance(validation_data, Dataset):   # (per-rank data: this rank's own)
+            validation_data = _own_epochs(strategy, validation_data, "fit (validation)")
         elif validation_data is not None and _is_arrays(validation_data):
             vx, vy, vw = unpack_x_y_sample_weight(validation_data)
             vbatch = kwargs.get("validation_batch_size") or batch_size
@@ -347,7 +362,8 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
             with global_metrics():
                 return cls.evaluate(model, x, y, batch_size=batch_size, verbose=verbose,
                                     sample_weight=sample_weight, **kwargs)
-        x, y, sample_weight, batch_size = share(x, y, sample_weight, batch_size, False)
+        x, y, sample_weight, batch_size = share(x, y, sample_weight, batch_size, False,
+                                                "evaluate")
         if per_rank_data:
             x = agreed_batches(strategy, x, "evaluate")
             same_steps_everywhere(strategy, x, kwargs.get("steps"), "evaluate")

@@ -52,17 +52,54 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 class MetricAverageCallback(keras.callbacks.Callback):
     """At the end of each epoch, every numeric log is replaced by its average over the ranks
     (a no-op for models compiled with ``DistributedOptimizer``, whose logs are already global
-    and the same on every rank)."""
+    and the same on every rank). The ranks first agree on the logs' keys: a callback that runs
+    on some ranks only and adds logs before this one (listed ahead of it) makes every rank
+    raise a ``ValueError`` naming each rank's keys and the callbacks given on some ranks
+    only, instead of a reduction of tensors of different shapes."""
+
+    _wants_callbacks_before = True   # (set by fit: the callbacks listed ahead of this one)
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
-        if not logs:
-            return
+        logs = {} if logs is None else logs
         names = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and
                        isinstance(np.asarray(v).item(), (int, float)))
+        before = list(getattr(self, "callbacks_before", ()))
+        everyone = hvd.allgather_object((names, before),
+                                        name="MetricAverageCallback: the logs' keys")
+        if any(keys != names for keys, _ in everyone):
+            _logs_differ(epoch, everyone)
+        if not names:
+            return
         values = hvd.allreduce(np.array([float(logs[k]) for k in names], np.float64),
                                op=hvd.Average)
         for name, value in zip(names, np.asarray(values).tolist()):
             logs[name] = value
+
+
+def _logs_differ(epoch: int, everyone: list) -> None:
+    per_rank = "; ".join(f"rank {r}: {keys}" for r, (keys, _) in enumerate(everyone))
+    common = set.intersection(*(set(keys) for keys, _ in everyone))
+    extra = sorted({k for keys, _ in everyone for k in keys} - common)
+    counts: dict = {}
+    for _, before in everyone:
+        for name in set(before):
+            counts[name] = counts.get(name, 0) + 1
+    some = sorted(name for name, n in counts.items() if n < len(everyone))
+    if some:
+        where = {name: [r for r, (_, b) in enumerate(everyone) if name in b] for name in some}
+        culprit = "; ".join(f"{name} (on rank(s) {', '.join(map(str, ranks))} only)"
+                            for name, ranks in where.items())
+        cause = f"the callback(s) listed ahead of MetricAverageCallback on some ranks only: " \
+                f"{culprit}"
+    else:
+        cause = "a callback that runs on some ranks only, listed ahead of " \
+                "MetricAverageCallback, or a model whose logs differ between the ranks"
+    raise ValueError(
+        f"hvd.callbacks.MetricAverageCallback at the end of epoch {epoch}: the ranks' logs "
+        f"have different keys ({per_rank}; on some ranks only: {extra}), so their averages "
+        f"cannot be taken. The likely cause is {cause}. List such a callback after "
+        f"MetricAverageCallback (Horovod's examples put rank-0-only callbacks last), or give it "
+        f"on every rank")
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):

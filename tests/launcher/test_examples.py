@@ -108,3 +108,54 @@ def test_horovod_keras_mnist_trains_at_1_and_2_ranks_and_resumes_at_3(tmp_path):
     assert sorted(restored) == ["0", "1", "2"], resumed[-3000:]
     assert set(restored.values()) == set(saved.values()), (restored, saved)
     assert len(set(_digests(resumed, "saved").values())) == 1
+
+
+def _flow(ranks, directory, epochs):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
+    env.update(PYTHONUNBUFFERED="1", KERAS_BACKEND="jax", PYTHONPATH=str(ROOT))
+    done = subprocess.run([str(MPIRUN), "--limit", "120", "-n", str(ranks), sys.executable,
+                           str(ROOT / "jobs" / "examples" / "horovod_imagenet_flow.py"),
+                           "--dir", str(directory), "--epochs", str(epochs)], env=env,
+                          cwd=directory.parent, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    assert done.returncode == 0, done.stdout[-4000:]
+    return done.stdout
+
+
+def _flow_rate(epoch, ranks, base_lr=0.0125, warmup=2, schedule=(3, 4, 5)):
+    """The rate epoch ``epoch``'s last batch ran at: Horovod's warm-up (its last batch at
+    fractional epoch ``epoch + 1``), then the steps down by 10."""
+    scaled = base_lr * ranks
+    if epoch < warmup:
+        return scaled / ranks * ((epoch + 1) * (ranks - 1) / warmup + 1)
+    return scaled * 10.0 ** -sum(epoch >= e for e in schedule)
+
+
+def test_horovod_imagenet_flow_resumes_from_rank_0s_checkpoint_at_another_width(tmp_path):
+    """Horovod's Keras ImageNet flow: 2 epochs at 2 ranks, then resumed at 3 ranks to epoch 4.
+    Every rank resumes at epoch 2 (found on rank 0, broadcast); only rank 0 checkpoints (one
+    file per epoch, each written once); the rates follow the warm-up and the schedule at each
+    run's width; every rank ends with the same weights."""
+    directory = tmp_path / "flow"
+    first = _flow(2, directory, 2)
+    second = _flow(3, directory, 4)
+    assert sorted(re.findall(r"rank (\d+): resuming from epoch 0", first)) == ["0", "1"]
+    assert sorted(re.findall(r"rank (\d+): resuming from epoch 2", second)) == \
+        ["0", "1", "2"], second[-3000:]
+    for output in (first, second):
+        assert re.findall(r"rank (\d+): checkpointing to", output) == ["0"], output[-3000:]
+    assert sorted(p.name for p in directory.glob("checkpoint-*")) == \
+        [f"checkpoint-{e}.keras" for e in (1, 2, 3, 4)]
+    for output, ranks, epochs in ((first, 2, (0, 1)), (second, 3, (2, 3))):
+        rates = re.findall(r"rank (\d+): epoch (\d+) lr ([0-9.e-]+)", output)
+        assert sorted({(int(r), int(e)) for r, e, _ in rates}) == \
+            [(r, e) for r in range(ranks) for e in epochs], output[-3000:]
+        for _, epoch, rate in rates:
+            assert float(rate) == pytest.approx(_flow_rate(int(epoch), ranks), rel=1e-5), \
+                (epoch, rate, ranks)
+    for output, ranks in ((first, 2), (second, 3)):
+        final = dict(re.findall(r"rank (\d+): done at epoch \d+, weights ([0-9a-f]{16})", output))
+        assert sorted(final) == [str(r) for r in range(ranks)] and len(set(final.values())) == 1, \
+            output[-3000:]
+    log = (directory / "metrics.csv").read_text().splitlines()
+    assert [line.split(",")[0] for line in log[1:]] == ["0", "1", "2", "3"], log

@@ -22,10 +22,10 @@ arrays of ``bytes``); a ``VarLenFeature`` gives a :class:`SparseTensorValue` wit
 
 A batch is taken apart at once with NumPy (``example_batch.py``: each level of the message
 one vectorised step over all records); a batch in an unusual encoding, or one that must
-raise an error, is parsed record by record by protobuf's classes (our own definitions,
-``tfformats.messages``), or by the pure-Python wire reader where protobuf is missing.
-Malformed data, a missing required feature, a wrong type or count raise
-``InvalidArgumentError`` naming the feature, as TensorFlow does.
+raise an error, is parsed record by record by TensorFlow's own rules (``fast_parsing.py``,
+which ``parse_single_example`` uses for its record), not protobuf's: every byte string gets
+TensorFlow's values or its error. Malformed data, a missing required feature, a wrong type
+or count raise ``InvalidArgumentError`` naming the feature, as TensorFlow does.
 """
 
 import math
@@ -33,10 +33,10 @@ from typing import Any, Dict, List, NamedTuple, Sequence
 
 import numpy as np
 
-from mpistrat.errors import DataLossError, InvalidArgumentError
+from mpistrat.errors import InvalidArgumentError
 from mpistrat.io.example_batch import parse_batch, ragged_positions
+from mpistrat.io.fast_parsing import join_pieces, parse_record
 from mpistrat.tfformats import messages
-from mpistrat.tfformats.wire import varint
 
 __all__ = ["FixedLenFeature", "VarLenFeature", "FixedLenSequenceFeature", "SparseTensorValue",
            "parse_single_example", "parse_example", "serialize_example"]
@@ -110,6 +110,7 @@ class _Spec:
                                        f"VarLenFeature or FixedLenSequenceFeature, got "
                                        f"{type(feature).__name__}")
         self.name, self.dtype = name, _dtype_name(feature.dtype)
+        self.key = name.encode("utf-8")
         self.kind, self.numpy = _KINDS[self.dtype], _NUMPY[self.dtype]
         self.fixed = isinstance(feature, FixedLenFeature)
         self.sequence = isinstance(feature, FixedLenSequenceFeature)  # parsed as VarLen, then
@@ -131,13 +132,17 @@ class _Spec:
                 raise InvalidArgumentError(f"feature {name!r}: shape {list(self.shape)} must "
                                            f"be fully defined")
             if feature.default_value is not None:
-                self.default = self._piece(self._default(feature.default_value))
+                default = self._default(feature.default_value)
+                if default.size:              # (TensorFlow: no values is no default)
+                    self.default = self._piece(default)
         self.size = math.prod(self.shape)
 
     def _default(self, value) -> np.ndarray:
         """``default_value`` as the feature's values, flat: strings as UTF-8 bytes (as
-        TensorFlow gives them), one value or exactly the shape's count, else an error
-        naming the feature (here, when the features are given, not mid-epoch)."""
+        TensorFlow gives them), exactly the shape's count of values (TensorFlow reshapes
+        it to the shape: one value for a shape of more is its InvalidArgumentError too;
+        a FixedLenSequenceFeature's is one value), else an error naming the feature (here,
+        when the features are given, not mid-epoch)."""
         if self.dtype == "string":
             value = np.asarray(value, dtype=object)
             flat = [v.encode("utf-8") if isinstance(v, str) else v for v in value.reshape(-1)]
@@ -157,49 +162,32 @@ class _Spec:
         size = math.prod(self.shape)
         if default.size == size or (self.sequence and default.size == 1):
             return default.reshape(-1)
-        if default.size == 1:
-            return np.broadcast_to(default.reshape(()), self.shape).reshape(-1)
         raise InvalidArgumentError(
             f"feature {self.name!r}: default_value of shape {list(default.shape)} "
             f"({default.size} values) does not fit the feature's shape {list(self.shape)} "
-            f"({size} values): give one value or {size}")
+            f"({size} values): give {size} (TensorFlow reshapes it, it does not broadcast)")
 
     def _piece(self, values: np.ndarray):
-        """A default as gathered: float32 as little-endian bytes (joined into one array at
+        """Values as gathered: float32 as little-endian bytes (joined into one array at
         the end), int64 and strings as lists."""
-        return values.astype("<f4").tobytes() if self.dtype == "float32" else list(values)
+        if self.dtype == "float32":
+            return values.astype("<f4").tobytes()
+        return values.astype(np.int64).tolist() if self.dtype == "int64" else list(values)
 
-    def values(self, feature, index: int):
-        """The values of ``feature`` (a parsed ``Feature`` or ``None``), checked."""
-        kind = None if feature is None else feature.WhichOneof("kind")
-        if kind is None:
-            if not self.fixed:
-                return b"" if self.dtype == "float32" else []
-            if self.default is None:
-                raise InvalidArgumentError(
-                    f"Feature: {self.name} (data type: {_TF_NAMES[self.dtype]}) is required "
-                    f"but could not be found (example {index})")
-            return self.default
-        if kind != self.kind:
+    def empty(self):
+        """No values, as gathered."""
+        return self._piece(np.zeros(0, self.numpy))
+
+    def missing(self, index: int):
+        """The values of a feature record ``index`` lacks: a FixedLenFeature's default
+        (an error without one), else none."""
+        if not self.fixed:
+            return self.empty()
+        if self.default is None:
             raise InvalidArgumentError(
-                f"Key: {self.name}.  Data types don't match. Expected type: "
-                f"{_TF_NAMES[self.dtype]}, Actual type: {kind.split('_')[0]} (example {index})")
-        holder = getattr(feature, kind)
-        count = len(holder.value)
-        if self.fixed and count != self.size:
-            raise InvalidArgumentError(
-                f"Key: {self.name}, Index: {index}.  Number of {_TF_NAMES[self.dtype]} values "
-                f"!= expected.  Values size: {count} but output shape: {list(self.shape)}")
-        if self.dtype != "float32":
-            return list(holder.value)
-        if isinstance(holder.value, np.ndarray):      # the pure-Python wire reader's
-            return holder.value.astype("<f4").tobytes()
-        # protobuf's: its encoding is the packed floats behind one tag and length (much
-        # faster than element by element); anything else there (unknown fields) goes slowly
-        raw = holder.SerializeToString() if count else b""
-        if raw[:len(raw) - 4 * count] == b"\x0a" + varint(4 * count) or not count:
-            return raw[len(raw) - 4 * count:]
-        return np.array(holder.value, dtype="<f4").tobytes()
+                f"Feature: {self.name} (data type: {_TF_NAMES[self.dtype]}) is required "
+                f"but could not be found (example {index})")
+        return self.default
 
 
 def _specs(features: Dict[str, Any]) -> List[_Spec]:
@@ -210,39 +198,22 @@ def _specs(features: Dict[str, Any]) -> List[_Spec]:
 
 
 def _array(pieces: List, spec: _Spec) -> np.ndarray:
-    """One array of every example's values (pieces from ``_Spec.values``)."""
-    if spec.dtype == "float32":
-        return np.frombuffer(b"".join(pieces), dtype="<f4").astype(np.float32)
-    flat = [v for piece in pieces for v in piece]
-    if spec.dtype == "int64":
-        return np.array(flat, dtype=np.int64)
-    out = np.empty(len(flat), dtype=object)
-    out[:] = [bytes(v) for v in flat]
-    return out
+    """One array of every example's values (pieces as ``_Spec._piece`` makes them)."""
+    return join_pieces(pieces, spec.dtype)
 
 
 def _count(piece, spec: _Spec) -> int:
     return len(piece) // 4 if spec.dtype == "float32" else len(piece)
 
 
-def _parse(data, index: int):
-    if not isinstance(data, (bytes, bytearray, memoryview, np.bytes_)):
-        raise InvalidArgumentError(f"example {index}: expected serialized bytes, got "
-                                   f"{type(data).__name__}")
-    try:
-        return messages.parse("Example", data, f"example {index}").features.feature
-    except DataLossError as err:
-        raise InvalidArgumentError(f"Could not parse example input: {err}") from None
-
-
-def _gather(examples, specs: List[_Spec]) -> Dict[str, list]:
-    """Per feature, the checked values of every example (a list per example)."""
-    columns: Dict[str, list] = {spec.name: [] for spec in specs}
+def _gather(examples, specs: List[_Spec], single: bool) -> List[list]:
+    """Per feature, the checked values of every example, by TensorFlow's rules for a batch's
+    records or (``single``) for ``parse_single_example``'s record."""
+    by_key = {spec.key: d for d, spec in enumerate(specs)}
+    columns: List[list] = [[] for _ in specs]
     for index, data in enumerate(examples):
-        found = _parse(data, index)
-        for spec in specs:
-            columns[spec.name].append(spec.values(found[spec.name] if spec.name in found
-                                                  else None, index))
+        for column, piece in zip(columns, parse_record(data, specs, by_key, index, single)):
+            column.append(piece)
     return columns
 
 
@@ -258,6 +229,10 @@ def parse_example(serialized, features: Dict[str, Any], example_names=None,
         if not isinstance(serialized, (list, tuple)) else list(serialized)
     specs = _specs(features)
     _check_sequences(specs)
+    for spec in specs:
+        if spec.sequence and not spec.size:
+            raise InvalidArgumentError(f"feature {spec.name!r}: a FixedLenSequenceFeature of "
+                                       f"items of 0 values (TensorFlow crashes on it)")
     fast = parse_batch(examples, specs)       # all records at once (canonical encodings)
     out = fast if fast is not None else parse_each(examples, specs)
     for spec in specs:
@@ -293,12 +268,11 @@ def dense_items(sparse: "SparseTensorValue", spec: _Spec, count: int) -> np.ndar
 
 
 def parse_each(examples: List, specs: List[_Spec]) -> Dict[str, Any]:
-    """``parse_example`` record by record with protobuf: every valid encoding, every
-    error worded (what ``example_batch.parse_batch`` leaves to it)."""
-    columns = _gather(examples, specs)
+    """``parse_example`` record by record by TensorFlow's rules (``fast_parsing.py``):
+    every encoding, every error worded (what ``example_batch.parse_batch`` leaves to it)."""
+    columns = _gather(examples, specs, single=False)
     out: Dict[str, Any] = {}
-    for spec in specs:
-        lists = columns[spec.name]
+    for spec, lists in zip(specs, columns):
         if spec.fixed:
             out[spec.name] = _array(lists, spec).reshape((len(examples),) + spec.shape)
             continue
@@ -319,10 +293,10 @@ def parse_single_example(serialized, features: Dict[str, Any], example_names=Non
         serialized = serialized[()]
     specs = _specs(features)
     _check_sequences(specs)
-    columns = _gather([serialized], specs)
+    columns = _gather([serialized], specs, single=True)
     out: Dict[str, Any] = {}
-    for spec in specs:
-        values = _array(columns[spec.name], spec)
+    for spec, pieces in zip(specs, columns):
+        values = _array(pieces, spec)
         if spec.sequence:
             sparse = SparseTensorValue(np.stack([np.zeros(len(values), np.int64),
                                                  np.arange(len(values))], axis=1), values, None)

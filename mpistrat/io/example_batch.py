@@ -6,10 +6,12 @@ message (Example, Features, each map entry, Feature, the value list) is one vect
 over all records, so the cost per record is a few NumPy element operations, not Python
 objects per feature per record. The result is what ``parse_example`` returns, bit for bit.
 
-It answers ``None`` for a batch it leaves to the exact path (protobuf, record by record):
-any record not in the canonical encoding TensorFlow and protobuf write (unknown fields,
-unpacked lists, a feature given twice), and every batch that must raise an error (a missing
-required feature, a wrong type or count), so that errors are worded in one place::
+It answers ``None`` for a batch it leaves to the exact path (``fast_parsing.py``, TensorFlow's
+rules record by record): any record not in the canonical encoding TensorFlow and protobuf
+write (unknown fields, unpacked lists, a feature given twice or empty), and every batch that
+must raise an error (a missing required feature, a wrong type or count), so that errors are
+worded in one place. As TensorFlow, it reads the features asked for and no others (a feature
+nobody asked for may hold anything, under any key)::
 
     >>> from mpistrat.io import example as ex
     >>> data = [ex.serialize_example({"x": [1.5, 2.0], "id": [7]}),
@@ -34,13 +36,12 @@ __all__ = ["parse_batch", "ragged_positions"]
 
 _TAGS = {"bytes_list": 0x0A, "float_list": 0x12, "int64_list": 0x1A}   # Feature's oneof
 _BYTE_STRINGS = {bytes, bytearray, np.bytes_}
-_HIGH_BITS = np.uint64(0x8080808080808080)
 _KEEP = np.array([(1 << 8 * n) - 1 for n in range(9)], dtype="<u8")  # the first n bytes
 
 
 def parse_batch(records: List[Any], specs) -> Optional[Dict[str, Any]]:
-    """``parse_example``'s result for ``records`` (bytes), or ``None`` to parse them with
-    protobuf instead (an unusual encoding, or an error to report)."""
+    """``parse_example``'s result for ``records`` (bytes), or ``None`` to parse them record
+    by record instead (an unusual encoding, or an error to report)."""
     if not records or not set(map(type, records)) <= _BYTE_STRINGS:
         return None                   # (anything else: the exact path takes it, or words why)
     try:
@@ -75,15 +76,6 @@ class _Batch:
         self.key_length = self.key_stop - self.key_start
         head = equal_spans(buf, self.key_start, 8).view("<u8").reshape(-1)
         self.key_head = head & _KEEP[np.minimum(self.key_length, 8)]
-        if (self.key_head & _HIGH_BITS).any() or self._long_keys_not_ascii():
-            raise Unusual("a key beyond ASCII (protobuf checks its UTF-8)")
-
-    def _long_keys_not_ascii(self) -> bool:
-        long = np.flatnonzero(self.key_length > 8)
-        if not len(long):
-            return False
-        rest = spans_bytes(self.data, self.key_start[long] + 8, self.key_stop[long])
-        return bool(len(rest)) and np.frombuffer(rest, np.uint8).max() >= 0x80
 
     def entries_of(self, name: str) -> np.ndarray:
         """The entries whose key is ``name``, in record order (at most one per record)."""
@@ -188,32 +180,6 @@ def _int64s(batch: _Batch, spec, start: np.ndarray, stop: np.ndarray):
     return as_int64(values), counts
 
 
-def _check_unasked(batch: _Batch, entries: np.ndarray) -> None:
-    """The features no spec asked for, checked as protobuf parses them (it parses every
-    feature of a record): a list field filling its Feature, packed numbers that end where
-    their list ends (a float list's length a multiple of 4, an int64 list's last varint
-    complete), bytes lists made of whole fields. Anything else is ``Unusual``, so that a
-    record gets the same answer from this path and from protobuf's, whatever the batch."""
-    buf = batch.buf
-    start, stop = batch.value_start[entries], batch.value_stop[entries]
-    some = stop > start                       # (an empty Feature is valid: no kind)
-    start, stop = start[some], stop[some]
-    tags = buf[start]
-    for tag in (0x0A, 0x12, 0x1A):
-        mine = np.flatnonzero(tags == tag)
-        if not len(mine):
-            continue
-        list_start, list_stop = _lists(buf, start[mine], stop[mine], tag)
-        if tag == 0x0A:
-            repeated_fields(buf, list_start, list_stop, 0x0A)
-            continue
-        _, first, last = _packed(buf, list_start, list_stop, tag == 0x12)
-        if tag == 0x1A and (buf[last[last > first] - 1] >= 0x80).any():
-            raise Unusual("a packed varint cut by the end of its field")
-    if len(tags) and not np.isin(tags, (0x0A, 0x12, 0x1A)).all():
-        raise Unusual("a Feature of another field")
-
-
 def ragged_positions(lengths: np.ndarray):
     """For rows of ``lengths`` values each, laid end to end: each value's row and its
     position within its row (the indices of a sparse value).
@@ -240,10 +206,8 @@ def _parse(records: List[bytes], specs) -> Dict[str, Any]:
     from mpistrat.io.example import SparseTensorValue
     batch = _Batch(records)
     out: Dict[str, Any] = {}
-    asked = np.zeros(len(batch.record), bool)
     for spec in specs:
         entries = batch.entries_of(spec.name)
-        asked[entries] = True
         present = batch.record[entries]
         values, counts = _values(batch, spec, entries)
         if spec.fixed:
@@ -265,6 +229,4 @@ def _parse(records: List[bytes], specs) -> Dict[str, Any]:
         out[spec.name] = SparseTensorValue(
             np.stack([rows, positions], axis=1).reshape(-1, 2), values,
             np.array([batch.count, int(lengths.max())], dtype=np.int64))
-    if not asked.all():
-        _check_unasked(batch, np.flatnonzero(~asked))
     return out

@@ -8,7 +8,8 @@ what makes ``parse_example`` of a batch cost a few µs a record (``mpistrat.io.e
 Only the canonical encoding is taken apart here: each function returns ``None`` (or raises
 :class:`Unusual`) when a message holds anything else (unknown fields, unpacked repeated
 scalars, a varint longer than 10 bytes, a length past the end), and the caller then parses
-those messages with protobuf, which knows every valid encoding and words every error::
+those messages its exact way (``io/fast_parsing.py``: TensorFlow's rules for every
+encoding, every error worded)::
 
     >>> import numpy as np
     >>> buf = np.frombuffer(b"\\x96\\x01\\x05" + bytes(10), np.uint8)
@@ -28,7 +29,7 @@ __all__ = ["Unusual", "padded", "varints", "length_delimited", "repeated_fields"
 
 
 class Unusual(Exception):
-    """Messages this decoder leaves to protobuf (valid or not: protobuf decides)."""
+    """Messages this decoder leaves to the caller's exact path (valid or not: it decides)."""
 
 
 def padded(data: bytes) -> np.ndarray:

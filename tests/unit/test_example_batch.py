@@ -1,7 +1,8 @@
 """The batch Example parser (NumPy over the wire bytes) against the record-by-record path
-(protobuf): the same arrays bit for bit, the same errors, for canonical encodings and for the
-unusual ones it must leave to protobuf. TensorFlow's own parse of its own files is checked in
-test_tf_records.py (through both paths)."""
+(TensorFlow's rules, fast_parsing.py): the same arrays bit for bit, the same errors, for
+canonical encodings and for the unusual ones it must leave to that path. TensorFlow's own
+parse of its own files is checked in test_tf_records.py (through both paths), and of every
+kind of byte string in test_parse_oracle.py."""
 
 import struct
 
@@ -129,12 +130,13 @@ UNUSUAL = {
     "the features field twice (merged)": example(entry(b"tags", int64_list([9]))) +
     example(entry(b"x", float_list_unpacked([4, 5, 6]))),
     "an empty record: every default": b"",
+    "a length past the end (read to the end)": b"\x0a\x7f" + GOOD[2:],
 }
 
 
 @pytest.mark.parametrize("name", sorted(UNUSUAL))
-def test_unusual_encodings_give_what_protobuf_gives(name):
-    features = {"x": ms.io.FixedLenFeature([3], "float32", default_value=0.5),
+def test_unusual_encodings_give_what_the_record_by_record_path_gives(name):
+    features = {"x": ms.io.FixedLenFeature([3], "float32", default_value=[0.5] * 3),
                 "tags": ms.io.VarLenFeature("int64")}
     records = [GOOD, UNUSUAL[name], GOOD]
     same(ms.io.parse_example(records, features), ex.parse_each(records, ex._specs(features)))
@@ -150,7 +152,7 @@ BAD = {
     "a wrong type": example(entry(b"x", int64_list([1, 2, 3]))),
     "a wrong count": ex.serialize_example({"x": [1.0, 2.0]}),
     "a required feature missing": ex.serialize_example({"tags": [1]}),
-    "a length past the end": b"\x0a\x7f" + GOOD[2:],
+    "a group": b"\x0b" + GOOD,
 }
 
 
@@ -166,24 +168,28 @@ def test_bad_records_raise_what_the_record_by_record_path_raises(name):
 
 
 def test_a_record_gets_the_same_answer_whatever_else_is_in_its_batch():
-    """Protobuf parses every feature of a record and checks its keys' UTF-8; the batch path
-    reads the features asked for. A record that protobuf refuses (a broken feature nobody
-    asked for, a key that is not UTF-8) is refused in any batch, and a valid record with a
-    key beyond ASCII parses the same in any batch."""
+    """TensorFlow reads the features asked for, under keys compared as bytes: a record with a
+    broken feature nobody asked for, or a key that is not UTF-8, parses (protobuf refused
+    it), and parses the same alone, in a batch of canonical records (the batch path) and
+    beside an unusual one (record by record)."""
     x = ex.messages.serialize("Feature", {"int64_list": {"value": [1]}})
     broken_unasked = example(entry(b"x", x), entry(b"y", b"\x1a\x01\x80"))
     bad_key = example(entry(b"x", x), entry(b"\xff", x))
     truncated_varint = example(entry(b"x", x), entry(b"y", b"\x1a\x03\x0a\x01\x80"))
     features = {"x": ms.io.FixedLenFeature([], "int64")}
     good = example(entry(b"x", x))
-    unpacked = example(entry(b"x", b"\x1a\x02\x08\x05"))     # valid, left to protobuf
+    unpacked = example(entry(b"x", b"\x1a\x02\x08\x05"))     # valid, left to that path
     assert ms.io.parse_example([good, unpacked], features)["x"].tolist() == [1, 5]
     for record in (broken_unasked, bad_key, truncated_varint):
-        with pytest.raises(ms.errors.InvalidArgumentError):
-            ms.io.parse_single_example(record, features)
+        assert ms.io.parse_single_example(record, features)["x"].tolist() == 1
+        assert parse_batch([good, record], ex._specs(features)) is not None
         for batch in ([record], [good, record], [record, unpacked]):
-            with pytest.raises(ms.errors.InvalidArgumentError, match="example"):
-                ms.io.parse_example(batch, features)
-    accented = example(entry(b"x", x), entry("clé".encode(), x))
+            want = [1, 1] if batch[0] is good else [1, 5][:len(batch)]
+            assert ms.io.parse_example(batch, features)["x"].tolist() == want
+    accented = example(entry(b"x", x), entry("cl\u00e9".encode(), x))
     alone = ms.io.parse_example([accented], features)["x"].tolist()
     assert alone == ms.io.parse_example([accented, accented], features)["x"].tolist()[:1] == [1]
+    broken_asked = example(entry(b"x", b"\x1a\x01\x80"))
+    for batch in ([broken_asked], [good, broken_asked], [broken_asked, unpacked]):
+        with pytest.raises(ms.errors.InvalidArgumentError, match="example"):
+            ms.io.parse_example(batch, features)

@@ -235,10 +235,13 @@ def test_example_errors_name_the_feature():
         ms.io.parse_single_example(data, {"n": ms.io.FixedLenFeature([], "float64")})
     defaulted = ms.io.parse_single_example(data, {
         "w": ms.io.FixedLenFeature([2, 2], "int64", default_value=[1, 2, 3, 4]),
-        "s": ms.io.FixedLenFeature([2], "string", default_value=b"?"),
+        "s": ms.io.FixedLenFeature([2], "string", default_value=[b"?", b"?"]),
         "v": ms.io.VarLenFeature("float32")})
     assert defaulted["w"].tolist() == [[1, 2], [3, 4]]
     assert defaulted["s"].tolist() == [b"?", b"?"]
+    with pytest.raises(InvalidArgumentError, match="'s': default_value"):   # TensorFlow
+        ms.io.parse_single_example(data, {                                  # reshapes it
+            "s": ms.io.FixedLenFeature([2], "string", default_value=b"?")})  # (no broadcast)
     assert defaulted["v"].values.shape == (0,) and defaulted["v"].dense_shape.tolist() == [0]
 
 

@@ -18,10 +18,13 @@ import pytest
 from .conftest import ROOT
 
 pytestmark = pytest.mark.timeout(600)
-# MirroredStrategy refuses to start across hosts (test_runtime.py); Keras fit and framework
-# checkpoints exercise framework code over collectives and checkpoints that the other cases
-# already run across hosts (and take half of this suite's time there).
-SKIP_ACROSS_HOSTS = "not mirrored and not keras_fit and not checkpoint_frameworks"
+# MirroredStrategy refuses to start across hosts (test_runtime.py); Keras (fit, custom loops,
+# SyncBatchNormalization), framework checkpoints and Horovod's Keras loops, API and messages
+# exercise framework code over collectives and checkpoints that the other cases already run
+# across hosts (and would take most of this suite's time there); Horovod's collective rules
+# (test_horovod_rules.py) do run across hosts.
+SKIP_ACROSS_HOSTS = ("not mirrored and not keras and not checkpoint_frameworks and not "
+                     "horovod_loops and not horovod_api and not horovod_messages")
 
 
 @pytest.mark.parametrize("suite,launcher,layout,least", [

@@ -353,15 +353,24 @@ def _entry(stream: Stream, entries: list) -> bool:
     return True
 
 
-def float_list(data: bytes, start: int, stop: int, cap: Optional[int] = None):
-    """``ParseFloatList`` of the list after a Feature's kind byte: ``(little-endian bytes,
-    count)`` or ``None``. ``cap``: the room of a fixed-length feature (TensorFlow's
-    ``LimitedArraySlice``): the count may pass it (an error to the caller), the bytes not."""
+def _list_stream(data: bytes, start: int, stop: int) -> Optional["Stream"]:
+    """A stream limited to the length-delimited list at ``start``, or ``None`` when its
+    length cannot be read."""
     stream = Stream(data, start, stop)
     length = stream.varint32()
     if length is None:
         return None
     stream.push_limit(length)
+    return stream
+
+
+def float_list(data: bytes, start: int, stop: int, cap: Optional[int] = None):
+    """``ParseFloatList`` of the list after a Feature's kind byte: ``(little-endian bytes,
+    count)`` or ``None``. ``cap``: the room of a fixed-length feature (TensorFlow's
+    ``LimitedArraySlice``): the count may pass it (an error to the caller), the bytes not."""
+    stream = _list_stream(data, start, stop)
+    if stream is None:
+        return None
     if stream.at_end():
         return b"", 0
     tag = stream.peek()
@@ -391,11 +400,9 @@ def float_list(data: bytes, start: int, stop: int, cap: Optional[int] = None):
 
 def int64_list(data: bytes, start: int, stop: int, cap: Optional[int] = None):
     """``ParseInt64List``: ``(int64 values, count)`` or ``None``."""
-    stream = Stream(data, start, stop)
-    length = stream.varint32()
-    if length is None:
+    stream = _list_stream(data, start, stop)
+    if stream is None:
         return None
-    stream.push_limit(length)
     if stream.at_end():
         return [], 0
     tag = stream.peek()
@@ -422,11 +429,9 @@ def int64_list(data: bytes, start: int, stop: int, cap: Optional[int] = None):
 
 def bytes_list(data: bytes, start: int, stop: int, cap: Optional[int] = None):
     """``ParseBytesList``: ``(list of bytes, count)`` or ``None`` (past ``cap`` too)."""
-    stream = Stream(data, start, stop)
-    length = stream.varint32()
-    if length is None:
+    stream = _list_stream(data, start, stop)
+    if stream is None:
         return None
-    stream.push_limit(length)
     values = []
     while not stream.at_end():
         if not stream.expect(0x0A):
@@ -443,11 +448,9 @@ def bytes_list(data: bytes, start: int, stop: int, cap: Optional[int] = None):
 
 def _count_bytes(data: bytes, start: int, stop: int) -> bool:
     """``GetNumElementsInBytesList``: whether the list's values can all be skipped."""
-    stream = Stream(data, start, stop)
-    length = stream.varint32()
-    if length is None:
+    stream = _list_stream(data, start, stop)
+    if stream is None:
         return False
-    stream.push_limit(length)
     while not stream.at_end():
         if not stream.expect(0x0A):
             return False

@@ -293,8 +293,9 @@ def main(argv=None) -> int:
                              "TensorFlow's format and ours (python -m mpistrat convert --help)")
     parser.add_argument("--json", action="store_true", help="one JSON document on rank 0")
     args = parser.parse_args(argv)
+    from mpistrat.collectives import CollectiveEngine
     from mpistrat.runtime import get_world
-    rows = get_world().comm.gather(info(), root=0)
+    rows = CollectiveEngine(get_world().comm).gather_object(info(), 0, "info: each rank's row")
     if rows is not None:
         sys.stdout.write(json.dumps({"ranks": rows}, indent=1) + "\n" if args.json
                          else render(rows))

@@ -19,14 +19,16 @@ deleted.
 import os
 import time
 import warnings
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from mpistrat.checkpoint import writer
 from mpistrat.checkpoint.files import data_file, local_view, remove_leftovers, state_name
 from mpistrat.checkpoint.same_path import agree_view_at
 from mpistrat.checkpoint.state_file import STATE_FILE, CheckpointState, read_state, write_state
-from mpistrat.collectives import CollectiveEngine
+from mpistrat.collectives import CollectiveEngine, CommunicationOptions
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+from mpistrat.distribute.context import get_strategy, has_strategy
+from mpistrat.distribute.strategy import live_strategies
 from mpistrat.errors import DataLossError, NotFoundError
 from mpistrat.runtime import get_world
 from mpistrat.tfformats.bundle import is_bundle
@@ -34,14 +36,27 @@ from mpistrat.tfformats.bundle import is_bundle
 __all__ = ["io_engine", "prepare_directory", "read_kept", "record_latest", "agreed_state",
            "latest_checkpoint", "restore_target"]
 
-_IO_ENGINE: list = []
+_IO_ENGINES: Dict[Optional[float], CollectiveEngine] = {}
 
 
 def io_engine() -> CollectiveEngine:
-    """The checkpoint engine, on its own communicator (so async writes never meet training)."""
-    if not _IO_ENGINE:
-        _IO_ENGINE.append(CollectiveEngine(get_world().new_comm("mpistrat-checkpoint")))
-    return _IO_ENGINE[0]
+    """The checkpoint engine, on its own communicator (so async writes never meet training),
+    under the strategy's timeout: ``timeout_seconds`` of the current strategy's
+    ``CommunicationOptions`` (outside every scope, of the newest strategy alive), else
+    ``MPISTRAT_COLLECTIVE_TIMEOUT``. One engine per timeout, each made when first needed
+    (collective: the ranks make their strategies alike)."""
+    timeout = strategy_timeout()
+    if timeout not in _IO_ENGINES:
+        _IO_ENGINES[timeout] = CollectiveEngine(get_world().new_comm("mpistrat-checkpoint"),
+                                                CommunicationOptions(timeout_seconds=timeout))
+    return _IO_ENGINES[timeout]
+
+
+def strategy_timeout() -> Optional[float]:
+    """``timeout_seconds`` of the strategy a checkpoint works under (``None``: none given)."""
+    strategy = get_strategy() if has_strategy() else (live_strategies() or [None])[-1]
+    engine = getattr(getattr(strategy, "extended", None), "engine", None)
+    return getattr(getattr(engine, "options", None), "timeout_seconds", None)
 
 
 def prepare_directory(directory: str, engine: CollectiveEngine, path: str) -> None:

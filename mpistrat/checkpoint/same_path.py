@@ -57,8 +57,8 @@ def agree_path(engine: CollectiveEngine, path: str, what: str) -> None:
     low_high = engine.all_reduce(np.array([digest, -digest], dtype=np.int64), "MAX")
     if low_high[0] == -low_high[1]:
         return
-    given = engine.comm.allgather(os.fspath(path))
-    raise _different_paths(what, given, engine.comm.allgather(absolute))
+    seen = engine.allgather_object((os.fspath(path), absolute), f"{what}: the ranks' paths")
+    raise _different_paths(what, [g for g, _ in seen], [a for _, a in seen])
 
 
 def _different_paths(what: str, given: List[str], absolutes: List[str]) -> InvalidArgumentError:
@@ -85,7 +85,7 @@ def agree_view_at(engine: CollectiveEngine, path: str, view: Any, what: str, act
         return view
     except error:
         pass  # every rank is here: the paths or the views differ (gathered below)
-    seen = engine.comm.allgather((os.fspath(path), absolute, view))
+    seen = engine.allgather_object((os.fspath(path), absolute, view), f"{action}: {what}")
     if len({a for _, a, _ in seen}) > 1:
         raise _different_paths(action, [g for g, _, _ in seen], [a for _, a, _ in seen])
     raise error(f"ranks see different things at {what}: "

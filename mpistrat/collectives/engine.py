@@ -34,7 +34,7 @@ from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.collectives.reproducible import deterministic_default
 from mpistrat.collectives.structure import (axis_or_none, flatten, gather_signature,
                                             signature_of)
-from mpistrat.collectives import trace  # noqa: I100 - (the tracing's logger, set up at import)
+from mpistrat.collectives import objects, trace  # noqa: I100 - (the tracing's logger, set up at import)
 from mpistrat.collectives.validation import (PAYLOAD_SLOTS, agree, start_agree,
                                              validation_enabled)
 from mpistrat.errors import AbortedError, DeadlineExceededError, InvalidArgumentError
@@ -419,11 +419,28 @@ class CollectiveEngine:
         finish = start_agree(self.comm, what, signature, deadline)
         return lambda: self._guard(finish)
 
-    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
-        """Broadcast small picklable metadata (never array data)."""
-        if self._broken:
-            raise AbortedError(f"broadcast_object refused on rank {self.rank}: {self._broken}")
-        return self.comm.bcast(obj, root=root)
+    # -- small picklable metadata, and waits, under the same deadline ---------------------
+    def broadcast_object(self, obj: Any, root: int = 0, what: str = "broadcast_object") -> Any:
+        """``root``'s small picklable ``obj`` on every rank (never array data; timed)."""
+        return objects.broadcast_object(self, obj, root, what)
+
+    def allgather_object(self, obj: Any, what: str = "allgather_object") -> List[Any]:
+        """Every rank's small picklable ``obj``, in rank order (timed)."""
+        return objects.allgather_object(self, obj, what)
+
+    def gather_object(self, obj: Any, root: int = 0, what: str = "gather_object"):
+        """Every rank's ``obj`` in rank order on ``root``, ``None`` elsewhere (timed)."""
+        return objects.gather_object(self, obj, root, what)
+
+    def wait(self, requests: List[MPI.Request], what: str) -> None:
+        """Wait for this engine's nonblocking ``requests`` under its deadline.
+
+        ``DeadlineExceededError`` naming ``what`` when the timeout passes; the engine
+        then refuses further calls (the ranks are out of step)::
+
+            engine.wait([engine.comm.Ibcast(offsets, root=0)], "the record offsets")
+        """
+        self._guard(wait_all, requests, objects.deadline_of(self), what)
 
     def barrier(self, options: Optional[CommunicationOptions] = None) -> None:
         """Wait until every rank has arrived (honours the timeout)."""

@@ -24,7 +24,7 @@ import numpy as np
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.errors import AbortedError
 
-__all__ = ["allgather_object", "broadcast_object", "deadline_of"]
+__all__ = ["allgather_object", "broadcast_object", "gather_object", "deadline_of"]
 
 
 def deadline_of(engine) -> "Deadline | None":
@@ -66,3 +66,23 @@ def broadcast_object(engine, obj: Any, root: int, what: str) -> Any:
     buffer = np.array(data) if data is not None else np.empty(int(size[0]), dtype=np.uint8)
     _wait(engine, [engine.comm.Ibcast(buffer, root=root)], deadline, what)
     return obj if engine.rank == root else pickle.loads(buffer.tobytes())
+
+
+def gather_object(engine, obj: Any, root: int, what: str) -> "List[Any] | None":
+    """Every rank's ``obj`` in rank order on ``root``; ``None`` on the others (collective,
+    timed)."""
+    if engine.size == 1:
+        return [obj]
+    deadline = deadline_of(engine)
+    data = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    sizes = np.empty(engine.size, dtype=np.int64) if engine.rank == root else None
+    _wait(engine, [engine.comm.Igather(np.array([data.size], dtype=np.int64), sizes, root=root)],
+          deadline, f"{what} (sizes)")
+    if engine.rank != root:
+        _wait(engine, [engine.comm.Igatherv(data, None, root=root)], deadline, what)
+        return None
+    gathered = np.empty(int(sizes.sum()), dtype=np.uint8)
+    _wait(engine, [engine.comm.Igatherv(data, [gathered, sizes.tolist()], root=root)],
+          deadline, what)
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    return [pickle.loads(gathered[a:b].tobytes()) for a, b in zip(bounds, bounds[1:])]

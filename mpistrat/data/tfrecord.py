@@ -200,9 +200,9 @@ class TFRecordFiles(RecordFiles):
         for index in np.flatnonzero(missing):
             root = int(index) % size
             count = np.array([len(self._offsets[index]) if rank == root else 0], np.int64)
-            engine.comm.Bcast(count, root=root)
+            engine.wait([engine.comm.Ibcast(count, root=root)], "a TFRecord file's record count")
             offsets = self._offsets[index] if rank == root else np.empty(count[0], np.int64)
-            engine.comm.Bcast(offsets, root=root)
+            engine.wait([engine.comm.Ibcast(offsets, root=root)], "a TFRecord file's offsets")
             self._offsets[index] = offsets
 
     # -- reading --------------------------------------------------------------------

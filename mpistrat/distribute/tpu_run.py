@@ -237,8 +237,8 @@ class StepCache:
 
     def _raise_if_any_failed(self, error, what: str) -> None:
         engine = self._strategy.extended.engine
-        texts = engine.comm.allgather(None if error is None else f"{type(error).__name__}: "
-                                      f"{error}")
+        texts = engine.allgather_object(None if error is None else f"{type(error).__name__}: "
+                                        f"{error}", f"{what}: whether tracing failed")
         failed = [r for r, t in enumerate(texts) if t]
         if not failed:
             return

@@ -98,8 +98,9 @@ def test_sigterm_to_every_process_of_rank_0_during_a_save_exits_75(tmp_path):
 
 STALLED = """
 import os, sys, time, numpy as np, mpistrat as ms
-directory, scenario = sys.argv[1], sys.argv[2]
-strategy = ms.MultiWorkerMirroredStrategy()
+directory, scenario, timeout = sys.argv[1], sys.argv[2], sys.argv[3]
+options = ms.CommunicationOptions(timeout_seconds=float(timeout)) if timeout != "env" else None
+strategy = ms.MultiWorkerMirroredStrategy(communication_options=options)
 rank = strategy.cluster_resolver.task_id
 with strategy.scope():
     w = ms.Variable(np.arange(1000.0))
@@ -124,17 +125,23 @@ except Exception as err:
 TIMEOUT = 5
 
 
-@pytest.mark.parametrize("scenario,point", [("save", "checkpoint-before-checksums"),
-                                            ("async", "checkpoint-before-checksums"),
-                                            ("restore", "checkpoint-before-reading")])
+@pytest.mark.parametrize("scenario,point,given", [
+    ("save", "checkpoint-before-checksums", "env"),
+    ("async", "checkpoint-before-checksums", "env"),
+    ("restore", "checkpoint-before-reading", "env"),
+    # the strategy's CommunicationOptions(timeout_seconds) covers its checkpoints too
+    ("save", "checkpoint-before-checksums", "options"),
+    ("restore", "checkpoint-before-reading", "options")])
 def test_a_rank_stopped_in_a_checkpoint_makes_the_others_raise_within_the_timeout(
-        tmp_path, scenario, point):
+        tmp_path, scenario, point, given):
     script = tmp_path / "job.py"
     script.write_text(PRELUDE + STALLED)
-    env = dict(_env(), MPISTRAT_COLLECTIVE_TIMEOUT=str(TIMEOUT),
-               MPISTRAT_TEST_FAULT=f"{point}:1:1:STOP")
+    env = dict(_env(), MPISTRAT_TEST_FAULT=f"{point}:1:1:STOP")
+    if given == "env":
+        env["MPISTRAT_COLLECTIVE_TIMEOUT"] = str(TIMEOUT)
     job = subprocess.Popen([str(MPIRUN), "--limit", "60", "-n", "2", sys.executable, str(script),
-                            str(tmp_path / "ckpt"), scenario], env=env, cwd=tmp_path, text=True,
+                            str(tmp_path / "ckpt"), scenario,
+                            "env" if given == "env" else str(TIMEOUT)], env=env, cwd=tmp_path, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         output, _ = job.communicate(timeout=90)

@@ -18,55 +18,13 @@ import os
 import sys
 from typing import Dict, List, Optional
 
+from mpistrat.runtime.local_facts import gpu_facts, jax_facts, package_version, printable
+
 _THREAD_LEVELS = {0: "MPI_THREAD_SINGLE", 1: "MPI_THREAD_FUNNELED", 2: "MPI_THREAD_SERIALIZED",
                   3: "MPI_THREAD_MULTIPLE"}
 _SLURM = ("SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_PARTITION", "SLURM_JOB_NODELIST",
           "SLURM_NNODES", "SLURM_NTASKS", "SLURM_TASKS_PER_NODE", "SLURM_CPUS_PER_TASK",
           "SLURM_GPUS_PER_TASK", "SLURM_RESTART_COUNT")
-
-
-def _version(package: str):
-    from importlib import metadata
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _clean(text: str) -> str:
-    """Printable text: no NUL bytes or control characters, single spaces."""
-    return " ".join("".join(c if c.isprintable() else " " for c in text).split())
-
-
-def _gpus() -> Dict:
-    """CuPy's view of the GPUs: ``{"cupy": version, "gpus": [names]}`` (empty without CuPy)."""
-    if _version("cupy") is None and not any(_version(p) for p in ("cupy-cuda12x",
-                                                                   "cupy-cuda13x")):
-        return {"cupy": None, "gpus": []}
-    try:
-        import cupy
-        names = []
-        for index in range(cupy.cuda.runtime.getDeviceCount()):
-            name = cupy.cuda.runtime.getDeviceProperties(index)["name"]
-            names.append(_clean(name.decode() if isinstance(name, bytes) else str(name)))
-        return {"cupy": cupy.__version__, "gpus": names}
-    except Exception as err:  # CuPy installed, CUDA driver missing
-        return {"cupy": f"unusable ({_clean(str(err))[:80]})", "gpus": []}
-
-
-def _jax_devices() -> Dict:
-    """JAX's local devices (starting JAX on this rank only)."""
-    if _version("jax") is None:
-        return {"jax": None, "jax_devices": []}
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    try:
-        import jax
-        devices = jax.local_devices()
-        return {"jax": jax.__version__, "jax_devices": [str(d) for d in devices],
-                "jax_platform": devices[0].platform if devices else None}
-    except Exception as err:  # a backend that fails to start is a fact too
-        return {"jax": _version("jax"), "jax_devices": [f"error: {_clean(str(err))[:80]}"],
-                "jax_platform": None}
 
 
 def jax_paths_told_truly(paths: List[dict], platform: Optional[str], cupy: bool) -> List[dict]:
@@ -115,13 +73,13 @@ def info() -> dict:
     from mpistrat.runtime.gpus import choose_gpu
 
     world = get_world()
-    gpus = _gpus()
+    gpus = gpu_facts()
     device = "CPU"
     if gpus["gpus"]:
         index = choose_gpu(world.local_rank, len(gpus["gpus"]), os.environ).index
         device = f"GPU {index} ({gpus['gpus'][index]})"
     caps = capabilities()
-    installed = {"numpy": True, "cupy": bool(gpus["gpus"]), "jax": _version("jax") is not None}
+    installed = {"numpy": True, "cupy": bool(gpus["gpus"]), "jax": package_version("jax") is not None}
     backends = {}
     for kind, present in installed.items():
         try:
@@ -131,7 +89,7 @@ def info() -> dict:
         except ValueError as err:
             backends[kind] = f"none ({err})"
     # JAX is started once per node (several processes must not claim one accelerator)
-    jax_facts = _jax_devices() if world.local_rank == 0 else {"jax": _version("jax"),
+    jax_facts = jax_facts() if world.local_rank == 0 else {"jax": package_version("jax"),
                                                               "jax_devices": None,
                                                               "jax_platform": None}
     major, minor = MPI.Get_version()
@@ -140,7 +98,7 @@ def info() -> dict:
         "node": world.node_index, "nodes": world.num_nodes,
         "local_rank": world.local_rank, "local_size": world.local_size,
         "device": device, "backends": backends,
-        "mpi": _clean(MPI.Get_library_version().splitlines()[0]).rstrip(","),
+        "mpi": printable(MPI.Get_library_version().splitlines()[0]).rstrip(","),
         "mpi_standard": f"{major}.{minor}", "mpi4py": mpi4py.__version__,
         "thread_level": _THREAD_LEVELS.get(MPI.Query_thread(), str(MPI.Query_thread())),
         "cuda_aware_mpi": cuda_aware_mpi()[0], "cuda_aware_mpi_how": cuda_aware_mpi()[1],

@@ -243,7 +243,7 @@ def _arrays(kind: str) -> Optional[str]:
 
 def _facts(world, arrays: str = "numpy") -> Dict:
     from mpi4py import MPI
-    from mpistrat.__main__ import _clean, _gpus
+    from mpistrat.runtime.local_facts import gpu_facts as _gpus, printable as _clean
     from mpistrat.runtime.devices import cuda_aware_mpi, nccl_available
     from mpistrat.runtime.gpus import choose_gpu
     libraries = _libraries()

@@ -36,7 +36,7 @@ MPI reduces only its own types. Everything else is decided here, in one place:
 
 import functools
 import operator
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -207,9 +207,11 @@ def from_wire(piece: np.ndarray, dtype: np.dtype) -> np.ndarray:
 _DTYPE_OF = operator.attrgetter("dtype")
 
 
-def refuse(what: str, arrays, op: Optional[ReduceOp], value: Any) -> None:
+def refuse(what: str, arrays, op: Optional[ReduceOp],
+           names: Callable[[], Sequence[str]]) -> None:
     """``TypeError`` naming the first tensor this collective cannot take (``op``: a reduction;
-    ``None``: a gather or broadcast, which moves bits). Runs after the ranks agreed on the
+    ``None``: a gather or broadcast, which moves bits; ``names()``: the arrays' names, asked
+    for only on the error path). Runs after the ranks agreed on the
     signature (dtypes and op), so every rank raises together, before any data moves.
     Each distinct dtype is judged once (a list of 2000 float32 tensors: one judgement)."""
     refused = {}
@@ -228,7 +230,6 @@ def refuse(what: str, arrays, op: Optional[ReduceOp], value: Any) -> None:
         why = refused.get(array.dtype)
         if why is None:
             continue
-        from mpistrat.collectives.structure import leaf_names
-        names = leaf_names(value)
-        name = names[index] if len(names) == len(arrays) else f"tensor {index}"
+        named = names()
+        name = named[index] if len(named) == len(arrays) else f"tensor {index}"
         raise TypeError(f"{what}: {name}: {why}")

@@ -32,7 +32,7 @@ from mpistrat.collectives.into import out_lists, out_problem, place_of
 from mpistrat.collectives.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.collectives.reproducible import deterministic_default
-from mpistrat.collectives.structure import (axis_or_none, flatten, gather_signature,
+from mpistrat.collectives.structure import (axis_or_none, flatten, gather_signature, leaf_names,
                                             signature_of)
 from mpistrat.collectives import objects, trace  # noqa: I100 - (the tracing's logger, set up at import)
 from mpistrat.collectives.validation import (PAYLOAD_SLOTS, agree, start_agree,
@@ -210,7 +210,7 @@ class CollectiveEngine:
         if self.validate and self.size > 1 and not chosen.validates:
             self._guard(agree, self.comm, call.what, call.signature, call.deadline,
                         chosen.path(call))
-        refuse(call.what, call.arrays, call.op, value)
+        refuse(call.what, call.arrays, call.op, lambda: leaf_names(value))
         results = self._guard(chosen.run, call)
         if call.outs is not None and not chosen.writes_out:
             for target, result in zip(call.outs, results):
@@ -314,7 +314,7 @@ class CollectiveEngine:
             -1 if axis is not None and d == axis % a.ndim else n for d, n in enumerate(a.shape)))
             for a in arrays)
         opts, deadline = self._begin(what, signature, options, Reproducible.name)
-        refuse(what, arrays, op, arrays)
+        refuse(what, arrays, op, lambda: leaf_names(arrays))
         out = self._guard(self._reproducible.sum, arrays, op, axis, opts, deadline)
         if start is not None:
             self._record(f"exact sum axis={axis}", start, arrays, Reproducible.name)
@@ -347,7 +347,7 @@ class CollectiveEngine:
         arrays = [_as_array(v) for v in leaves]
         what = _labelled(f"all_gather axis={axis}", label)
         opts, deadline = self._begin(what, gather_signature(arrays, axis), options)
-        refuse(what, arrays, None, value)
+        refuse(what, arrays, None, lambda: leaf_names(value))
         for index, array in enumerate(arrays):
             if array.ndim == 0:
                 raise InvalidArgumentError(
@@ -391,7 +391,7 @@ class CollectiveEngine:
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
             raise InvalidArgumentError(f"{what}: the root {root!r} is not a rank (ranks are 0 "
                                        f"to {self.size - 1})")
-        refuse(what, arrays, None, value)
+        refuse(what, arrays, None, lambda: leaf_names(value))
         results = self._run(what, arrays, opts, lambda backend, idx: backend.broadcast(
             self.comm, [arrays[i] for i in idx], root, deadline))
         if start is not None:

@@ -23,7 +23,7 @@ pipelines through them are iterated element by element (and a restored
 iterator replays).
 """
 
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -32,19 +32,13 @@ from mpistrat.data import ops, shuffles
 from mpistrat.data.cache import Cache
 from mpistrat.data.options import Options
 from mpistrat.data.mapping import workers_for
+from mpistrat.data.specs import TensorSpec
 
 __all__ = ["Dataset", "TensorSpec", "AUTOTUNE", "INFINITE_CARDINALITY", "UNKNOWN_CARDINALITY"]
 
 AUTOTUNE = -1                        # tf.data.AUTOTUNE
 INFINITE_CARDINALITY = ops.INFINITE  # tf.data.INFINITE_CARDINALITY
 UNKNOWN_CARDINALITY = ops.UNKNOWN
-
-
-class TensorSpec(NamedTuple):
-    """Shape (``None`` for a dimension that varies) and dtype of one component."""
-
-    shape: tuple
-    dtype: np.dtype
 
 
 class Dataset:

@@ -4,7 +4,7 @@ yielded element must have that structure, each value converts to its leaf's dtyp
 losing its value, and its shape must fit the leaf's (``None`` matches any size; a shape of
 ``None`` any rank). Anything else is an ``InvalidArgumentError`` naming the element::
 
-    >>> from mpistrat.data.dataset import TensorSpec
+    >>> from mpistrat.data.specs import TensorSpec
     >>> spec = {"x": TensorSpec((2,), np.float32)}
     >>> conformed({"x": [1, 2]}, spec, 0)["x"].dtype
     dtype('float32')
@@ -18,20 +18,19 @@ from typing import Any
 
 import numpy as np
 
+from mpistrat.data.specs import TensorSpec
 from mpistrat.errors import InvalidArgumentError
 
 __all__ = ["signature_of", "conformed"]
 
 
 def _is_spec(value) -> bool:
-    from mpistrat.data.dataset import TensorSpec
     return isinstance(value, TensorSpec)
 
 
 def signature_of(output_signature: Any, output_types: Any, output_shapes: Any) -> Any:
     """The signature: ``output_signature``, or one made of the older ``output_types`` and
     ``output_shapes`` (the same structure; shapes may be left out: any shape)."""
-    from mpistrat.data.dataset import TensorSpec
     if output_signature is not None:
         if output_types is not None or output_shapes is not None:
             raise TypeError("from_generator: give output_signature, or output_types (with "

@@ -34,8 +34,9 @@ from typing import Any, Dict, List, NamedTuple, Sequence
 import numpy as np
 
 from mpistrat.errors import InvalidArgumentError
-from mpistrat.io.example_batch import parse_batch, ragged_positions
+from mpistrat.io.example_batch import parse_batch
 from mpistrat.io.fast_parsing import join_pieces, parse_record
+from mpistrat.io.sparse import SparseTensorValue, ragged_positions
 from mpistrat.tfformats import messages
 
 __all__ = ["FixedLenFeature", "VarLenFeature", "FixedLenSequenceFeature", "SparseTensorValue",
@@ -91,14 +92,6 @@ class FixedLenSequenceFeature(NamedTuple):
     dtype: Any
     allow_missing: bool = False
     default_value: Any = None
-
-
-class SparseTensorValue(NamedTuple):
-    """``indices`` (int64 [n, rank]), ``values`` [n] and ``dense_shape`` (int64 [rank])."""
-
-    indices: np.ndarray
-    values: np.ndarray
-    dense_shape: np.ndarray
 
 
 class _Spec:

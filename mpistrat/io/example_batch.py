@@ -27,12 +27,13 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from mpistrat.io.sparse import SparseTensorValue, ragged_positions
 from mpistrat.tfformats.wire import WireError, read_varint
 from mpistrat.tfformats.wire_columns import (Unusual, as_int64, equal_spans, length_delimited,
                                              packed_varints, padded, repeated_fields, spans_bytes,
                                              varints)
 
-__all__ = ["parse_batch", "ragged_positions"]
+__all__ = ["parse_batch"]
 
 _TAGS = {"bytes_list": 0x0A, "float_list": 0x12, "int64_list": 0x1A}   # Feature's oneof
 _BYTE_STRINGS = {bytes, bytearray, np.bytes_}
@@ -180,20 +181,6 @@ def _int64s(batch: _Batch, spec, start: np.ndarray, stop: np.ndarray):
     return as_int64(values), counts
 
 
-def ragged_positions(lengths: np.ndarray):
-    """For rows of ``lengths`` values each, laid end to end: each value's row and its
-    position within its row (the indices of a sparse value).
-
-        >>> [a.tolist() for a in ragged_positions(np.array([2, 0, 1]))]
-        [[0, 0, 2], [0, 1, 0]]
-    """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    rows = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
-    positions = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(
-        np.cumsum(lengths) - lengths, lengths)
-    return rows, positions
-
-
 def _default(spec) -> np.ndarray:
     if spec.dtype == "float32":
         return np.frombuffer(spec.default, "<f4").astype(np.float32)
@@ -203,7 +190,6 @@ def _default(spec) -> np.ndarray:
 
 
 def _parse(records: List[bytes], specs) -> Dict[str, Any]:
-    from mpistrat.io.example import SparseTensorValue
     batch = _Batch(records)
     out: Dict[str, Any] = {}
     for spec in specs:

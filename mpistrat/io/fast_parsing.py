@@ -50,7 +50,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from mpistrat.errors import InvalidArgumentError
-from mpistrat.io.example_batch import ragged_positions
+from mpistrat.io.sparse import ragged_positions
 from mpistrat.tfformats.wire_columns import Unusual, packed_varints
 
 __all__ = ["Stream", "example_entries", "feature_values", "parse_record", "join_pieces",

@@ -68,19 +68,20 @@ def test_refuse_names_the_first_refused_tensor_of_a_long_list_and_passes_a_clean
     import pytest
     from mpistrat.collectives.backends.base import DeviceBufferRefused, refuse_device_buffers
     from mpistrat.collectives.dtypes import refuse
+    from mpistrat.collectives.structure import leaf_names
     floats = [np.zeros(3, np.float32) for _ in range(1000)]
-    refuse("all_reduce SUM", floats, ReduceOp.SUM, floats)         # nothing to refuse
+    refuse("all_reduce SUM", floats, ReduceOp.SUM, lambda: leaf_names(floats))         # nothing to refuse
     refuse_device_buffers(floats, "host-mpi")
     mixed = {"a": floats[:5], "b": np.zeros(2, np.complex64), "c": np.zeros(2, bool)}
     leaves = floats[:5] + [mixed["b"], mixed["c"]]
     with pytest.raises(TypeError, match=r"all_reduce SUM: .*c.*does not apply to bool"):
-        refuse("all_reduce SUM", leaves, ReduceOp.SUM, mixed)
+        refuse("all_reduce SUM", leaves, ReduceOp.SUM, lambda: leaf_names(mixed))
     with pytest.raises(TypeError, match=r"all_reduce MAX: .*b.*no order for complex"):
-        refuse("all_reduce MAX", leaves, ReduceOp.MAX, mixed)
-    refuse("all_gather axis=0", leaves, None, mixed)     # a gather moves bits: all go
+        refuse("all_reduce MAX", leaves, ReduceOp.MAX, lambda: leaf_names(mixed))
+    refuse("all_gather axis=0", leaves, None, lambda: leaf_names(mixed))     # a gather moves bits: all go
     objects = [np.zeros(1), np.zeros(1, object)]
     with pytest.raises(TypeError, match=r"\[1\]: object values cannot travel"):
-        refuse("all_gather axis=0", objects, None, objects)
+        refuse("all_gather axis=0", objects, None, lambda: leaf_names(objects))
 
     class Device:   # any array exposing CUDA's interface, among NumPy arrays
         __cuda_array_interface__ = {}

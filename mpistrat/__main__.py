@@ -89,7 +89,7 @@ def info() -> dict:
         except ValueError as err:
             backends[kind] = f"none ({err})"
     # JAX is started once per node (several processes must not claim one accelerator)
-    jax_facts = jax_facts() if world.local_rank == 0 else {"jax": package_version("jax"),
+    jax_seen = jax_facts() if world.local_rank == 0 else {"jax": package_version("jax"),
                                                               "jax_devices": None,
                                                               "jax_platform": None}
     major, minor = MPI.Get_version()
@@ -106,12 +106,12 @@ def info() -> dict:
         "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version,
         "h5py_mpi": bool(h5py.get_config().mpi),
         "checkpoint_mode": checkpoint_mode(),
-        "cupy": gpus["cupy"], "gpus": gpus["gpus"], **jax_facts,
+        "cupy": gpus["cupy"], "gpus": gpus["gpus"], **jax_seen,
         "slurm": {k: os.environ[k] for k in _SLURM if k in os.environ} or None,
         # which backend and algorithm each array kind and size would take, and why
         "collective_paths": jax_paths_told_truly(
             describe_backends(world.size, comm_topology(world.comm), caps),
-            jax_facts.get("jax_platform"), caps.cupy),
+            jax_seen.get("jax_platform"), caps.cupy),
         # the measured table the host all-reduce follows, and where it came from
         "tuning": describe_tuning(world.comm),
     }

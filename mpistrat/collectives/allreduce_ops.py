@@ -69,18 +69,19 @@ def steering(opts: CommunicationOptions) -> str:
 
 class AllReduceCall:
     """One all-reduce as the ops see it: the op, the arrays (NumPy or device) and their
-    signature, the per-call and merged options, the deadline, ``outs`` (the caller's
-    buffers, or None) and ``what`` (its name in errors and in the hash)."""
+    signature, the options (the call's merged over the engine's: one value), the deadline,
+    ``outs`` (the caller's buffers, or None) and ``what`` (its name in errors and in the
+    hash)."""
 
-    __slots__ = ("op", "arrays", "signature", "options", "opts", "deadline", "outs", "what",
+    __slots__ = ("op", "arrays", "signature", "options", "deadline", "outs", "what",
                  "numpy_only")
 
     def __init__(self, op: ReduceOp, arrays: List, signature: tuple,
-                 options: Optional[CommunicationOptions], opts: CommunicationOptions,
+                 options: Optional[CommunicationOptions],
                  outs: Optional[List[np.ndarray]] = None, what: str = "",
                  numpy_only: Optional[bool] = None):
         self.op, self.arrays, self.signature = op, arrays, signature
-        self.options, self.opts, self.outs = options, opts, outs
+        self.options, self.outs = options, outs
         self.what = what or ALL_REDUCE_WHAT[op]
         self.deadline: Optional[Deadline] = None
         self.numpy_only = set(map(type, arrays)) <= _NDARRAY_ONLY if numpy_only is None \
@@ -109,13 +110,13 @@ class Reproducible:
         self.guesses: Dict[tuple, tuple] = {}   # exponents guessed per place (reproducible)
 
     def enabled(self, call: AllReduceCall) -> bool:
-        return call.op in EXACT and (self.always or call.opts.deterministic)
+        return call.op in EXACT and (self.always or call.options.deterministic)
 
     def path(self, call: AllReduceCall) -> str:
-        return f"{self.name} {steering(call.opts)}"   # (its integers take the host backend)
+        return f"{self.name} {steering(call.options)}"   # (its integers take the host backend)
 
     def run(self, call: AllReduceCall) -> List:
-        return self.sum(call.arrays, call.op, None, call.opts, call.deadline)[0]
+        return self.sum(call.arrays, call.op, None, call.options, call.deadline)[0]
 
     def sum(self, arrays: List, op: ReduceOp, axis: Optional[int], opts, deadline):
         """``(sums, global summand counts)`` of ``arrays`` (element-wise, or of all rows along
@@ -231,7 +232,7 @@ class PlainCall:
 
     def enabled(self, call: AllReduceCall) -> bool:
         array = _one_small(call) if self.on else None
-        opts = call.opts
+        opts = call.options
         return type(array) is np.ndarray and opts.timeout_seconds is None and \
             opts.algorithm == "auto" and accumulator(array.dtype, call.op) == array.dtype
 
@@ -287,14 +288,14 @@ class HostOp:
 
     def path(self, call: AllReduceCall) -> str:
         opts, text = self._default
-        return text if call.opts is opts else self._describe(call.opts)
+        return text if call.options is opts else self._describe(call.options)
 
     @staticmethod
     def _describe(opts: CommunicationOptions) -> str:
         return f"host-mpi {steering(opts)}"
 
     def run(self, call: AllReduceCall) -> List:
-        return self.backend.all_reduce(self.comm, call.arrays, call.op, call.opts,
+        return self.backend.all_reduce(self.comm, call.arrays, call.op, call.options,
                                        call.deadline, call.signature, call.outs)
 
 
@@ -316,7 +317,7 @@ class ByKind:
         return call.outs is None
 
     def path(self, call: AllReduceCall) -> str:
-        return f"by-kind implementation={call.opts.implementation.name} {steering(call.opts)} " \
+        return f"by-kind implementation={call.options.implementation.name} {steering(call.options)} " \
             f"{capabilities()}"   # (staged and NumPy arrays take the host backend)
 
     def backends(self, arrays: List, opts) -> List[Tuple[Any, List[int]]]:
@@ -329,10 +330,10 @@ class ByKind:
             for kind, indices in groups.items()]
 
     def run(self, call: AllReduceCall) -> List:
-        return each_group(self.backends(call.arrays, call.opts), len(call.arrays),
+        return each_group(self.backends(call.arrays, call.options), len(call.arrays),
                           lambda backend, indices: backend.all_reduce(
                               self.comm, [call.arrays[i] for i in indices], call.op,
-                              call.opts, call.deadline))
+                              call.options, call.deadline))
 
 
 def each_group(groups, count: int, run: Callable[[Any, Any], List]) -> List:

@@ -77,23 +77,23 @@ class CollectiveEngine:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
-        self.options = options or CommunicationOptions()
+        # the environment's defaults (MPISTRAT_COLLECTIVE_TIMEOUT, MPISTRAT_DETERMINISTIC) folded
+        # in once, under the given options: every call merges its own over this one value
+        self.options = CommunicationOptions(timeout_seconds=default_timeout(),
+                                            deterministic=deterministic_default()).merge(options)
         self.validate = validation_enabled()
-        self.default_timeout = default_timeout()  # read once, when the engine is made
         self._trace = trace.on()   # MPISTRAT_TRACE (collectives/trace.py)
         self._broken: Optional[str] = None
         self._calls = 0
-        self.deterministic = deterministic_default()  # MPISTRAT_DETERMINISTIC, read once
         self._id = _ENGINES[0] = _ENGINES[0] + 1
-        timeout = self.options.timeout_seconds if self.options.timeout_seconds is not None \
-            else self.default_timeout
+        timeout, deterministic = self.options.timeout_seconds, self.options.deterministic
         several = self.size > 1
-        self._reproducible = Reproducible(comm, _HOST_BACKEND, self.deterministic)
+        self._reproducible = Reproducible(comm, _HOST_BACKEND, deterministic)
         self._by_kind = ByKind(comm, _HOST_BACKEND)
         # the all-reduce's ops, in the order they are asked (allreduce_ops.py)
         self.ops = (self._reproducible,
                     ProbeFold(comm, self.validate and several, timeout),
-                    PlainCall(comm, not self.validate and several and not self.deterministic
+                    PlainCall(comm, not self.validate and several and not deterministic
                               and timeout is None),
                     HostOp(comm, _HOST_BACKEND, self.options),
                     self._by_kind)
@@ -105,7 +105,7 @@ class CollectiveEngine:
         if self._broken:
             raise AbortedError(f"{what} refused on rank {self.rank}: {self._broken}")
         opts = self.options.merge(options)
-        timeout = opts.timeout_seconds if opts.timeout_seconds is not None else self.default_timeout
+        timeout = opts.timeout_seconds
         self._calls += 1
         if TRACED[0]:   # host callbacks' collectives first, in program order
             settle()   # (host_callbacks.py)
@@ -186,9 +186,9 @@ class CollectiveEngine:
         else:      # any nest or JAX pytree (collectives/structure.py)
             leaves, rebuild = flatten(value)
             arrays, what = [_as_array(v) for v in leaves], name
-        call = AllReduceCall(op, arrays, signature_of(arrays), options, self.options, outs, what,
+        call = AllReduceCall(op, arrays, signature_of(arrays), None, outs, what,
                              True if flat else None)
-        results, chosen = self._dispatch(call, value)
+        results, chosen = self._dispatch(call, value, options)
         if start is not None:
             self._record(ALL_REDUCE_WHAT[op], start, arrays, self._label(chosen, call))
         if out is not None:
@@ -197,11 +197,12 @@ class CollectiveEngine:
             return results if kind is list else tuple(results)
         return rebuild(results)
 
-    def _dispatch(self, call: AllReduceCall, value: Any):
-        """The prologue once (refusal when broken, merged options, deadline, trace), the
-        first enabled op, the agreement on the call and that op's path, the op's run:
-        ``(results, op)``; results land in ``call.outs`` where given."""
-        call.opts, timeout, call.deadline = self._prologue(call.what, call.options)
+    def _dispatch(self, call: AllReduceCall, value: Any,
+                  options: Optional[CommunicationOptions]):
+        """The prologue once (refusal when broken, ``options`` merged over the engine's into
+        ``call.options``, deadline, trace), the first enabled op, the agreement on the call and
+        that op's path, the op's run: ``(results, op)``; results land in ``call.outs``."""
+        call.options, timeout, call.deadline = self._prologue(call.what, options)
         chosen = self._choose(call)
         self._trace_call(call.what, call.signature, timeout)
         if self._trace:
@@ -226,7 +227,7 @@ class CollectiveEngine:
         """
         leaves, _ = flatten(value)
         arrays = [_as_array(v) for v in leaves]
-        call = AllReduceCall(ReduceOp.from_any(op), arrays, signature_of(arrays), options,
+        call = AllReduceCall(ReduceOp.from_any(op), arrays, signature_of(arrays),
                              self.options.merge(options))
         return self._choose(call).path(call)
 
@@ -283,7 +284,7 @@ class CollectiveEngine:
         if type(value) is not float and not hasattr(value, "dtype"):
             return None
         array = _as_array(value)
-        call = AllReduceCall(exact, [array], signature_of([array]), None, self.options)
+        call = AllReduceCall(exact, [array], signature_of([array]), self.options)
         chosen = self._choose(call)
         prepare = getattr(chosen, "prepare", None)
         return prepare(call, value) if prepare is not None else None
@@ -298,8 +299,7 @@ class CollectiveEngine:
 
     def is_deterministic(self, options: Optional[CommunicationOptions] = None) -> bool:
         """Whether SUM and MEAN take the reproducible path for these per-call options."""
-        return self.deterministic or self.options.deterministic or bool(
-            options is not None and options.deterministic)
+        return self.options.merge(options).deterministic
 
     def exact_sum(self, arrays: List, axis: Optional[int],
                   options: Optional[CommunicationOptions] = None, op="SUM"):
@@ -323,7 +323,7 @@ class CollectiveEngine:
     def _label(self, chosen, call: AllReduceCall) -> str:
         """The timeline's name for how a call ran: the op, or the backends of each kind."""
         return chosen.name if chosen is not self._by_kind else \
-            self._label_of(call.arrays, call.opts)
+            self._label_of(call.arrays, call.options)
 
     def _label_of(self, arrays, opts) -> str:
         return "+".join(backend.name for backend, _ in self._backends(arrays, opts))

@@ -31,8 +31,7 @@ def deadline_of(engine) -> "Deadline | None":
     """A deadline for one collective of ``engine`` (``None``: no timeout configured)."""
     if engine._broken:
         raise AbortedError(f"refused on rank {engine.rank}: {engine._broken}")
-    timeout = engine.options.timeout_seconds
-    return Deadline.after(timeout if timeout is not None else engine.default_timeout)
+    return Deadline.after(engine.options.timeout_seconds)
 
 
 def _wait(engine, requests, deadline, what: str) -> None:

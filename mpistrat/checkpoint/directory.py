@@ -26,7 +26,7 @@ from mpistrat.checkpoint.files import data_file, local_view, remove_leftovers, s
 from mpistrat.checkpoint.same_path import agree_view_at
 from mpistrat.checkpoint.state_file import STATE_FILE, CheckpointState, read_state, write_state
 from mpistrat.collectives import CollectiveEngine, CommunicationOptions
-from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+from mpistrat.collectives.agreement import agree_view
 from mpistrat.distribute.context import get_strategy, has_strategy
 from mpistrat.distribute.strategy import live_strategies
 from mpistrat.errors import DataLossError, NotFoundError
@@ -61,15 +61,10 @@ def strategy_timeout() -> Optional[float]:
 
 def prepare_directory(directory: str, engine: CollectiveEngine, path: str) -> None:
     """Rank 0 creates ``directory`` and removes our leftovers; every rank must then see it."""
-    failure = None
-    if engine.rank == 0:
-        try:
+    with engine.agreed(f"saving checkpoint {path}", doing=f"preparing {directory}"):
+        if engine.rank == 0:
             os.makedirs(directory, exist_ok=True)
-        except OSError as err:
-            failure = Failure(err, 0, f"preparing {directory}")
-        else:
             remove_leftovers(directory)  # best effort: warns about what it cannot delete
-    agree_errors(engine, failure, f"saving checkpoint {path}")
     agree_view_at(engine, path, local_view(directory), f"checkpoint directory {directory}",
                   f"saving checkpoint {path}")
 

@@ -39,7 +39,7 @@ from mpistrat.checkpoint.orbax_steps import (MANIFEST, check_item_name, commit, 
                                              foreign_hint, remove_stale, scan, step_dir,
                                              temp_dir, write_manifest)
 from mpistrat.checkpoint.orbax_tree import describe
-from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+from mpistrat.collectives.agreement import agree_view
 from mpistrat.collectives.objects import broadcast_object
 from mpistrat.errors import DataLossError, NotFoundError
 
@@ -113,13 +113,9 @@ class OrbaxCheckpointManager:
         self._before: List[int] = []
         if options.create:
             writer.wait_idle()
-            failure = None
-            if self._engine.rank == 0:
-                try:
+            with self._engine.agreed(f"creating {self._directory}"):
+                if self._engine.rank == 0:
                     os.makedirs(self._directory, exist_ok=True)
-                except OSError as err:
-                    failure = Failure(err, 0)
-            agree_errors(self._engine, failure, f"creating {self._directory}")
         self._steps = self._agreed_scan(self._directory)
 
     # -- what is there ---------------------------------------------------------------
@@ -261,16 +257,11 @@ class OrbaxCheckpointManager:
             prepare_directory(temp, engine, os.path.join(temp, MANIFEST))
             for name, (_, values, kinds) in sorted(described.items()):
                 write_file(data_file(os.path.join(temp, name)), values, kinds, engine)
-            failure = None
-            if engine.rank == 0:
-                try:
+            with engine.agreed(what, doing=f"committing {final}"):
+                if engine.rank == 0:
                     write_manifest(temp, step, single, {n: d[0] for n, d in described.items()})
                     commit(temp, final, directory)
-                except Exception as err:  # noqa: BLE001 - shared with every rank below
-                    failure = Failure(err, 0, f"committing {final}")
-                else:            # before the agreement: no rank goes on while rank 0 deletes
-                    _delete_quietly(directory, deleted)
-            agree_errors(engine, failure, what)
+                    _delete_quietly(directory, deleted)   # (no rank goes on while it deletes)
         except BaseException:
             if engine.rank == 0:
                 remove_stale(directory)     # our temporary directory, if it holds only ours
@@ -297,13 +288,9 @@ class OrbaxCheckpointManager:
         step = check_step(step)
         if step not in self._steps:
             raise NotFoundError(f"Requested deleting a non-existent step: {step}.")
-        failure = None
-        if self._engine.rank == 0:
-            try:
+        with self._engine.agreed(f"deleting step {step} in {self._directory}"):
+            if self._engine.rank == 0:
                 delete_step(self._directory, step)
-            except OSError as err:
-                failure = Failure(err, 0)
-        agree_errors(self._engine, failure, f"deleting step {step} in {self._directory}")
         self._steps.remove(step)
 
     def close(self) -> None:

@@ -13,17 +13,17 @@ error together instead of leaving some waiting in the next collective.
 """
 
 import builtins
+import contextlib
 import errno as errno_codes
 import hashlib
-from typing import Any, List, Optional, Sequence, Type
+from typing import Any, Iterator, List, Optional, Sequence, Type
 
 import numpy as np
 
-from mpistrat.collectives.engine import CollectiveEngine
 from mpistrat.collectives.objects import allgather_object
 from mpistrat.errors import DataLossError, NotFoundError
 
-__all__ = ["Failure", "agree_errors", "agree_view", "describe_views", "rank_list",
+__all__ = ["Failure", "agreed", "agree_errors", "agree_view", "describe_views", "rank_list",
            "views_differ"]
 
 
@@ -66,7 +66,7 @@ _CLASSES = {"DataLossError": DataLossError, "NotFoundError": NotFoundError,
             "ValueError": ValueError}
 
 
-def agree_errors(engine: CollectiveEngine, failure: Optional[Failure], what: str,
+def agree_errors(engine: "CollectiveEngine", failure: Optional[Failure], what: str,
                  hint: str = "") -> None:
     """Raise the same error on every rank if any rank failed (collective).
 
@@ -91,7 +91,31 @@ def agree_errors(engine: CollectiveEngine, failure: Optional[Failure], what: str
     raise cls(text)
 
 
-def _anyone(engine: CollectiveEngine, flag: bool) -> bool:
+@contextlib.contextmanager
+def agreed(engine: "CollectiveEngine", what: str, doing: str = "", hint: str = "") -> Iterator[None]:
+    """Run the body on every rank, then raise the same error on every rank if any rank's
+    body raised (collective: every rank enters and leaves it, whatever happened)::
+
+        with engine.agreed(f"saving checkpoint {path}", doing="preparing the directory"):
+            if engine.rank == 0:
+                os.makedirs(directory, exist_ok=True)
+
+    The error's class and text are ``agree_errors``'s (``what`` failed: each failing rank
+    and ``doing``); on a rank that failed, its own exception is the cause.
+    """
+    local: Optional[Exception] = None
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - agreed with the other ranks, then raised
+        local = err
+    try:
+        agree_errors(engine, None if local is None else Failure(local, engine.rank, doing),
+                     what, hint)
+    except Exception as shared:
+        raise shared from local
+
+
+def _anyone(engine: "CollectiveEngine", flag: bool) -> bool:
     """Whether ``flag`` is true on any rank (an all-reduce that honours the collective timeout,
     so a rank that stopped answering ends in ``DeadlineExceededError`` instead of a hang)."""
     return bool(engine.all_reduce(np.array([int(flag)], dtype=np.int64), "MAX")[0])
@@ -107,7 +131,7 @@ def _errno_hint(code: int) -> str:
     return ""
 
 
-def views_differ(engine: CollectiveEngine, view: Any) -> bool:
+def views_differ(engine: "CollectiveEngine", view: Any) -> bool:
     """Whether any two ranks hold different ``view``s (one all-reduce of a digest of its
     ``repr``; collective, within the collective timeout)."""
     digest = int.from_bytes(hashlib.blake2b(repr(view).encode(), digest_size=8).digest(),
@@ -116,7 +140,7 @@ def views_differ(engine: CollectiveEngine, view: Any) -> bool:
     return low_high[0] != -low_high[1]   # max != min
 
 
-def agree_view(engine: CollectiveEngine, view: Any, what: str, error=NotFoundError,
+def agree_view(engine: "CollectiveEngine", view: Any, what: str, error=NotFoundError,
                hint: str = "put checkpoints on a file system that every rank shares") -> Any:
     """The view every rank has of something (collective); ranks that differ raise together."""
     if not views_differ(engine, view):

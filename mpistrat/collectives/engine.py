@@ -34,7 +34,7 @@ from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.collectives.reproducible import deterministic_default
 from mpistrat.collectives.structure import (axis_or_none, flatten, gather_signature, leaf_names,
                                             signature_of)
-from mpistrat.collectives import objects, trace  # noqa: I100 - (the tracing's logger, set up at import)
+from mpistrat.collectives import agreement, objects, trace  # noqa: I100 - (the tracing's logger, set up at import)
 from mpistrat.collectives.validation import (PAYLOAD_SLOTS, agree, start_agree,
                                              validation_enabled)
 from mpistrat.errors import AbortedError, DeadlineExceededError, InvalidArgumentError
@@ -431,6 +431,15 @@ class CollectiveEngine:
     def gather_object(self, obj: Any, root: int = 0, what: str = "gather_object"):
         """Every rank's ``obj`` in rank order on ``root``, ``None`` elsewhere (timed)."""
         return objects.gather_object(self, obj, root, what)
+
+    def agreed(self, what: str, doing: str = "", hint: str = ""):
+        """A block whose failure on any rank raises the same error on every rank
+        (``agreement.agreed``)::
+
+            with engine.agreed("preparing a TFRecordDataset", doing="indexing a file"):
+                build_index()
+        """
+        return agreement.agreed(self, what, doing, hint)
 
     def wait(self, requests: List[MPI.Request], what: str) -> None:
         """Wait for this engine's nonblocking ``requests`` under its deadline.

@@ -281,13 +281,10 @@ class DistributedIterator:
         """What every rank's caches hold, one value for all (collective: read only when a
         checkpoint writes its values, on every rank at once; see ``_CacheValue``)."""
         engine, what = self._engine, "saving the cache() contents of a dataset iterator"
-        section, failure = b"", None
-        try:
+        section = b""
+        with engine.agreed(what, hint="keep the iterator out of the checkpoint (its input "
+                                      "then starts the epoch afresh)"):
             section = cache_state.encode_section([c.contents() for c in self._caches()])
-        except Exception as err:  # noqa: BLE001 - agreed with the other ranks, then raised
-            failure = Failure(err, engine.rank)
-        agree_errors(engine, failure, what, hint="keep the iterator out of the checkpoint "
-                                                 "(its input then starts the epoch afresh)")
         sizes = engine.all_gather(np.array([len(section)], np.int64)).tolist()
         if sum(sizes) > cache_state.LIMIT_BYTES:
             held = ", ".join(f"rank {r}: {n}" for r, n in enumerate(sizes))

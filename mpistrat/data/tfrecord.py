@@ -33,7 +33,6 @@ from typing import List, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.collectives.agreement import Failure, agree_errors
 from mpistrat.data import ops
 from mpistrat.data.dataset import Dataset
 from mpistrat.data.mpiio import read_runs, runs_of
@@ -177,24 +176,18 @@ class TFRecordFiles(RecordFiles):
         rank, size = engine.rank, engine.size
         needed = range(len(self.files)) if policy is not AutoShardPolicy.FILE else \
             range(rank, len(self.files), size)
-        failure = None
+        what = "preparing a TFRecordDataset"
         missing = np.zeros(len(self.files), np.int64)
-        try:
+        with engine.agreed(what, doing="reading the TFRecord index caches"):
             for index in needed:
                 if self._offsets[index] is None:
                     self._offsets[index] = self._cached(index)
                 missing[index] = self._offsets[index] is None
-        except Exception as err:  # noqa: BLE001 - agreed, then raised everywhere
-            failure = Failure(err, rank, "reading the TFRecord index caches")
         missing = engine.all_reduce(missing, "MAX")
-        if failure is None:
-            try:
-                for index in np.flatnonzero(missing):
-                    if index % size == rank:
-                        self.offsets(int(index))   # build and cache
-            except Exception as err:  # noqa: BLE001
-                failure = Failure(err, rank, "indexing a TFRecord file")
-        agree_errors(engine, failure, "preparing a TFRecordDataset")
+        with engine.agreed(what, doing="indexing a TFRecord file"):
+            for index in np.flatnonzero(missing):
+                if index % size == rank:
+                    self.offsets(int(index))   # build and cache
         if policy is AutoShardPolicy.FILE:
             return                                 # each file's builder is its reader
         for index in np.flatnonzero(missing):

@@ -298,7 +298,7 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
 
     def share(x, y, sample_weight, batch_size, shuffle, what="fit"):
         from mpistrat.data.dataset import Dataset
-        from mpistrat.data.distributed import DistributedDataset
+        from mpistrat.distribute.input_lib import DistributedDataset
         if isinstance(x, Dataset) and not per_rank_data:   # as Keras under a TF strategy:
             x = strategy.experimental_distribute_dataset(x)   # batches of the global batch
         if isinstance(x, DistributedDataset):   # already this rank's share of each batch
@@ -324,7 +324,7 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
             x, y, sample_weight, validation_data = _split_off(x, y, sample_weight,
                                                               validation_split)
         from mpistrat.data.dataset import Dataset
-        from mpistrat.data.distributed import DistributedDataset
+        from mpistrat.distribute.input_lib import DistributedDataset
         _refuse_sum_reduction(model)
         if isinstance(validation_data, Dataset) and not per_rank_data:
             validation_data = strategy.experimental_distribute_dataset(validation_data)

@@ -14,6 +14,7 @@ from mpistrat.distribute.context import (InputContext, ValueContext, get_replica
 from mpistrat.distribute.cross_device_ops import (CrossDeviceOps, HierarchicalCopyAllReduce,
                                                   NcclAllReduce, ReductionToOneDevice)
 from mpistrat.distribute.default import DefaultStrategy  # registers the default strategy
+from mpistrat.distribute.input_lib import DistributedDataset, DistributedIterator
 from mpistrat.distribute.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from mpistrat.distribute.options import InputOptions, RunOptions
 from mpistrat.distribute.replica_context import ReplicaContext
@@ -29,5 +30,5 @@ __all__ = [
     "in_cross_replica_context", "MirroredStrategy", "MultiWorkerMirroredStrategy", "InputOptions",
     "RunOptions", "ReplicaContext", "Strategy", "StrategyExtended", "DistributedValues",
     "Mirrored", "PerReplica", "Variable", "VariableAggregation", "VariableSynchronization",
-    "ReduceOp", "TPUStrategy",
+    "ReduceOp", "TPUStrategy", "DistributedDataset", "DistributedIterator",
 ]

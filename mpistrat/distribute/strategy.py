@@ -25,6 +25,7 @@ from mpistrat import nest
 from mpistrat.collectives import CollectiveEngine, ReduceOp
 from mpistrat.collectives.dtypes import check_reducible, dtype_code
 from mpistrat.collectives.structure import flatten
+from mpistrat.distribute import input_lib
 from mpistrat.distribute.context import ValueContext, current_strategy_entry, entered
 from mpistrat.distribute.reduction import (LazyNames, as_array, combine_local, mean, partial,
                                            restore, same_shapes)
@@ -334,22 +335,19 @@ class Strategy:
         values = [value_fn(ValueContext(rid, self.num_replicas_in_sync)) for rid in ids]
         return PerReplica(values, ids)
 
-    # -- input (implemented by the data layer, which registers itself) -------
+    # -- input (distribute/input_lib.py, over the datasets of the layer below) -------
     def experimental_distribute_dataset(self, dataset, options=None):
         """Split each global batch of a batched ``ms.data.Dataset`` over the replicas.
 
         Iterating the result yields ``PerReplica`` batches for ``run``; all
-        ranks stop on the same step. Runs ``mpistrat.data.distributed.distribute_dataset``
-        (the data layer sits above this one, so it registers the function when ``mpistrat``
-        is imported: ``register_input_distribution``).
+        ranks stop on the same step (``input_lib.distribute_dataset``).
         """
-        return _input_distribution("dataset")(self, dataset, options)
+        return input_lib.distribute_dataset(self, dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
-        """Call ``dataset_fn(InputContext)`` on each rank; no rebatching or sharding. Runs
-        ``mpistrat.data.distributed.distribute_datasets_from_function`` (registered as
-        ``experimental_distribute_dataset``'s is)."""
-        return _input_distribution("function")(self, dataset_fn, options)
+        """Call ``dataset_fn(InputContext)`` on each rank; no rebatching or sharding
+        (``input_lib.distribute_datasets_from_function``)."""
+        return input_lib.distribute_datasets_from_function(self, dataset_fn, options)
 
     def __repr__(self) -> str:
         return f"<mpistrat.{type(self).__name__} num_replicas_in_sync={self.num_replicas_in_sync}>"
@@ -384,16 +382,3 @@ def _local(value: Any) -> Any:
 
 
 _NDARRAY_ONLY = {np.ndarray}
-_INPUT: dict = {}
-
-
-def register_input_distribution(from_dataset, from_function) -> None:
-    """Called by ``mpistrat.data`` (a higher layer) to provide the dataset methods."""
-    _INPUT.update(dataset=from_dataset, function=from_function)
-
-
-def _input_distribution(kind: str):
-    if kind not in _INPUT:  # `import mpistrat` always imports mpistrat.data, which registers
-        raise RuntimeError("datasets are provided by mpistrat.data.distributed, which registers "
-                           "them when imported: import mpistrat (or mpistrat.data) first")
-    return _INPUT[kind]

@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 __all__ = ["waiting_frame", "describe", "comm_of", "COMMUNICATING"]
 
 # Modules whose innermost frame means "inside a collective" (prefixes, by module name).
-COMMUNICATING = ("mpistrat.collectives", "mpistrat.checkpoint", "mpistrat.data.distributed",
+COMMUNICATING = ("mpistrat.collectives", "mpistrat.checkpoint", "mpistrat.distribute.input_lib",
                  "mpistrat.distribute", "mpistrat.preemption", "mpistrat.runtime.world",
                  "mpistrat.runtime.timeline", "mpistrat.runtime.jax_bridge",
                  "mpistrat.runtime.gpus", "mpistrat.tpu")

@@ -24,7 +24,7 @@ def test_names_are_where_tensorflow_keeps_them():
     assert ms.train.ClusterSpec is ms.cluster_resolver.ClusterSpec
     assert callable(ms.nn.compute_average_loss) and callable(ms.nn.scale_regularization_loss)
     assert callable(ms.data.Dataset.as_numpy_iterator)
-    from mpistrat.data.distributed import DistributedDataset, DistributedIterator
+    from mpistrat.distribute.input_lib import DistributedDataset, DistributedIterator
     assert hasattr(DistributedDataset, "element_spec")
     assert callable(DistributedIterator.get_next_as_optional)
 

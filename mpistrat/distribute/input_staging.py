@@ -9,7 +9,7 @@
   ``PerReplica`` leaves.
 
     >>> import numpy as np
-    >>> from mpistrat.data.staging import spec_of, empty_like
+    >>> from mpistrat.distribute.input_staging import spec_of, empty_like
     >>> empty_like(spec_of((np.zeros((3, 2), np.float32),)))[0].shape
     (0, 2)
 """

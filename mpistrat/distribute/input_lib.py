@@ -69,11 +69,11 @@ from mpistrat.data.fingerprint import changed_parts, pipeline_parts
 from mpistrat.data.options import AutoShardPolicy
 from mpistrat.data.permutation import derive_key
 from mpistrat.data.readers import view_of
-from mpistrat.data.staging import empty_like, gpu_of, regroup, spec_of, staged, to_gpu, Prepared
 from mpistrat.data.threads import prefetched
 from mpistrat.distribute.context import InputContext
 from mpistrat.distribute.options import InputOptions
-from mpistrat.distribute.strategy import register_input_distribution
+from mpistrat.distribute.input_staging import (Prepared, empty_like, gpu_of, regroup, spec_of,
+                                               staged, to_gpu)
 from mpistrat.errors import DataLossError, InvalidArgumentError, OutOfRangeError
 from mpistrat.runtime import timeline
 
@@ -521,5 +521,3 @@ def distribute_datasets_from_function(strategy, dataset_fn: Callable, options=No
     seed = int(engine.broadcast(np.array([secrets.randbits(62)], np.int64), root=0)[0])
     return DistributedDataset(strategy, layout, options, seed, dataset)
 
-
-register_input_distribution(distribute_dataset, distribute_datasets_from_function)

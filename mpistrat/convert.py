@@ -13,14 +13,20 @@ rank; TensorFlow's: one data shard per rank, ``DST.data-R-of-N``, and the index 
 Object paths carry over: a TensorFlow value's path is its object's first path in the
 object graph (``model/dense/kernel``; other attributes ``PATH/NAME``, saved as state), and
 ours become TensorFlow nodes of the same names, so ``tf.train.Checkpoint(model=...)``
-restores them. Each TensorFlow variable's own name (``full_name``) is kept as an attribute,
-so a converted Keras checkpoint restores into the Keras 3 model by its variables' paths, as
-a restore from the TensorFlow files does (``checkpoint/keras_names.py``). Values our format cannot hold (strings; other dtypes it refuses) stop the
-conversion, naming them, unless ``--skip-unsupported`` leaves them out. Rank 0 prints what
-was converted.
+restores them. Each TensorFlow value's own name (``full_name``) and key are kept as
+attributes, and the source's object graph on the file (``checkpoint/tf_origin.py``): a
+converted Keras checkpoint restores into the Keras 3 model by its variables' paths, and
+converting it back writes the original keys and graph (a TF1 checkpoint keeps its TF1 names),
+so TensorFlow restores the result into the original objects. Names need not be ASCII.
+Values our format cannot hold (strings; other dtypes it refuses) stop the conversion,
+naming their keys, unless ``--skip-unsupported`` leaves them out (each key named in the
+summary). Keys that become one object path here, or a value that would lie inside another
+(``a/b`` and ``a/b/c``), are refused naming both, before anything is written. Rank 0 prints
+what was converted.
 """
 
 import argparse
+import hashlib
 import os
 import sys
 from typing import Dict, List, Optional, Tuple
@@ -47,6 +53,10 @@ def _source(src: str) -> Tuple[str, str]:
                         f"{path}.index (TensorFlow's) exists")
 
 
+_VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
+_GRAPH = "\x00graph"          # the graph's place among the values read (never a path)
+
+
 def _unsupported(path: str, entry) -> Optional[str]:
     """Why ours cannot hold this value (``None`` if it can): the writer's own rule
     (``checkpoint/dtypes.to_stored``: bfloat16 and float8 are held as raw bits)."""
@@ -57,7 +67,7 @@ def _unsupported(path: str, entry) -> Optional[str]:
     try:
         check_path(path)
     except ValueError:
-        return "its object path has characters ours refuses"
+        return f"its object path {path!r} has characters ours refuses"
     try:
         to_stored(np.empty(0, entry.dtype), path)
     except TypeError:
@@ -65,55 +75,175 @@ def _unsupported(path: str, entry) -> Optional[str]:
     return None
 
 
+def _keys_by_path(values) -> Dict[str, List[str]]:
+    """Our object path -> the TensorFlow keys that become it (one, unless they collide):
+    through the object graph, or without one (TF1's ``Saver``, a bundle written by hand) the
+    key itself, less a TF2 ``/.ATTRIBUTES/VARIABLE_VALUE``."""
+    from mpistrat.tfformats.object_graph import GRAPH_KEY
+    groups: Dict[str, List[str]] = {}
+    if values.graph is None:
+        for key in sorted(values.index.entries):
+            if key != GRAPH_KEY:
+                groups.setdefault(key[:-len(_VALUE)] if key.endswith(_VALUE) else key,
+                                  []).append(key)
+        return groups
+    groups = {path: [key] for path, key in values.by_path.items()}
+    groups.update({path: list(keys) for path, keys in values.collisions.items()})
+    return groups
+
+
+def _nested(paths: Dict[str, str]) -> List[str]:
+    """Pairs of kept values of which one lies inside the other (``a/b`` and ``a/b/c``): an
+    HDF5 name is a dataset or a group, never both. Sorted with '/' lowest, a path's first
+    follower is inside it if any is."""
+    order = sorted(paths, key=lambda p: p.replace("/", "\x00"))
+    return [f"{paths[a]} (object path {a!r}) and {paths[b]} (object path {b!r})"
+            for a, b in zip(order, order[1:]) if b.startswith(a + "/")]
+
+
+def _graph_to_keep(values, skipped_keys: set) -> Tuple[Optional[str], set]:
+    """The graph's entry key (``None`` without a graph) and the checkpoint keys of its
+    attributes whose values are left out (to drop from the graph kept with the values)."""
+    import bisect
+    from mpistrat.tfformats.object_graph import GRAPH_KEY
+    if values.graph is None:
+        return None, set()
+    keys, drop = sorted(values.index.entries), set()
+    for value in values.graph.values:
+        named = [value.key] if value.key in values.index.entries else []
+        at = bisect.bisect_left(keys, value.key)
+        while not named and at < len(keys) and keys[at].startswith(value.key):
+            named.append(keys[at])     # (a saveable's keys under its attribute's key)
+            at += 1
+        if any(key in skipped_keys for key in named):
+            drop.add(value.key)
+    return GRAPH_KEY, drop
+
+
 def _tf_to_ours(prefix: str, dst: str, engine, skip: bool) -> Tuple[int, int, List[str]]:
     from mpistrat.checkpoint.h5write import write_file
     from mpistrat.checkpoint.files import data_file
     from mpistrat.checkpoint.tf_checkpoints import open_values, read_collective
-    from mpistrat.tfformats.object_graph import GRAPH_KEY, VARIABLE_VALUE
+    from mpistrat.errors import InvalidArgumentError
+    from mpistrat.tfformats.object_graph import GRAPH_KEY, VARIABLE_VALUE, drop_attributes
     values = open_values(prefix, engine)
-    if values.collisions:   # (one of our paths cannot hold two values)
-        raise ValueError(f"{prefix}: TensorFlow keys that become one object path here: "
-                         + "; ".join(f"{p!r} from {k}" for p, k in sorted(
-                             values.collisions.items())) + ": nothing was written")
-    names = {v.path: v.name for v in values.graph.values} if values.graph else {}
-    full_names = {v.path: v.full_name for v in values.graph.values if v.full_name} \
-        if values.graph else {}
-    entries, kinds, skipped = {}, {}, []
-    for path in sorted(values.by_path):
-        entry = values.entry(path)
+    groups = _keys_by_path(values)
+    collided = {path: keys for path, keys in groups.items() if len(keys) > 1}
+    if collided:   # (one of our paths cannot hold two values)
+        raise InvalidArgumentError(f"{prefix}: TensorFlow keys that become one object path "
+                                   f"here: " + "; ".join(f"{p!r} from {k}" for p, k in sorted(
+                                       collided.items())) + ": nothing was written")
+    graph = values.graph
+    names = {v.path: v.name for v in graph.values} if graph else {}
+    full_names = {v.path: v.full_name for v in graph.values if v.full_name} if graph else {}
+    entries, kinds, keys, skipped = {}, {}, {}, []
+    for path in sorted(groups):
+        key = groups[path][0]
+        entry = values.index.entries[key]
         why = _unsupported(path, entry)
         if why is not None:
-            skipped.append(f"{path} ({why})")
+            skipped.append((key, why))
             continue
-        entries[path] = entry
+        entries[path], keys[path] = entry, key
         kinds[path] = "variable" if names.get(path, VARIABLE_VALUE) == VARIABLE_VALUE \
             else "state"
-    pathless = set(values.index.entries) - set(values.by_path.values()) - {GRAPH_KEY}
-    skipped += [f"{key} (no object path in its object graph)"   # (every dropped value named)
-                for key in sorted(pathless)]
+    named = {k for found in groups.values() for k in found} | {GRAPH_KEY}
+    skipped += [(key, "no object path in its object graph")   # (every dropped value named)
+                for key in sorted(set(values.index.entries) - named)]
+    listed = [f"{key} ({why})" for key, why in skipped]
     if skipped and not skip:
-        raise ValueError(f"{prefix}: our checkpoints cannot hold {', '.join(skipped)}; pass "
-                         f"--skip-unsupported to convert the rest")
+        raise InvalidArgumentError(f"{prefix}: our checkpoints cannot hold {', '.join(listed)}; "
+                                   f"pass --skip-unsupported to convert the rest")
+    nested = _nested(keys)
+    if nested:
+        raise InvalidArgumentError(f"{prefix}: TensorFlow keys whose values would lie one "
+                                   f"inside the other here (an HDF5 name is a value or holds "
+                                   f"others, not both): {'; '.join(nested)}: nothing was "
+                                   f"written")
+    graph_key, drop = _graph_to_keep(values, {key for key, _ in skipped})
+    wanted = dict(entries)
+    if graph_key is not None:
+        wanted[_GRAPH] = values.index.entries[graph_key]
     read: Dict[str, np.ndarray] = {}
-    for batch in read_collective(entries, engine):
+    for batch in read_collective(wanted, engine):
         read.update(batch)
+    kept = read.pop(_GRAPH, None)
+    if kept is not None:
+        kept = drop_attributes(kept[()], drop, f"{prefix}, key {GRAPH_KEY!r}")
     write_file(data_file(dst), read, kinds, engine,
-               tf_names={p: n for p, n in full_names.items() if p in read})
-    return len(read), sum(v.nbytes for v in read.values()), skipped
+               tf_names={p: n for p, n in full_names.items() if p in read},
+               tf_keys=keys, tf_graph=kept)
+    return len(read), sum(v.nbytes for v in read.values()), listed
+
+
+def _tf_keys(catalog: Dict, final: str) -> Optional[Dict[str, str]]:
+    """The TensorFlow key of every value of a checkpoint converted from TensorFlow (``None``
+    for one of ours, or if any value lacks one); ``DataLossError`` if two values claim one
+    key, or a key TensorFlow could not hold."""
+    from mpistrat.errors import DataLossError
+    from mpistrat.tfformats.object_graph import GRAPH_KEY
+    keys = {path: entry.tf_key for path, entry in catalog.items()}
+    if not keys or not all(keys.values()):
+        return None
+    owner: Dict[str, str] = {}
+    for path, key in sorted(keys.items()):
+        if key == GRAPH_KEY or key.startswith("\x00"):
+            raise DataLossError(f"{final}, object {path!r}: TensorFlow key {key!r} is reserved")
+        if key in owner:
+            raise DataLossError(f"{final}: objects {owner[key]!r} and {path!r} both claim "
+                                f"TensorFlow key {key!r}")
+        owner[key] = path
+    return keys
+
+
+def _kept_graph(final: str) -> Optional[bytes]:
+    """The object graph kept by the conversion from TensorFlow (checked: a graph), or
+    ``None``. (Its keys are TensorFlow's: an attribute whose key the source lacked, as
+    TensorFlow's sharded writes leave out empty tensors, is kept as it was.)"""
+    from mpistrat.checkpoint.tf_origin import read_graph
+    from mpistrat.tfformats.object_graph import GRAPH_KEY, parse_graph
+    graph = read_graph(final)
+    if graph is not None:
+        parse_graph(graph, f"{final}, its kept {GRAPH_KEY}")
+    return graph
 
 
 def _ours_to_tf(final: str, dst: str, engine) -> Tuple[int, int, List[str]]:
     from mpistrat.checkpoint.h5read import Reader, read_catalog, read_values
     from mpistrat.checkpoint.tf_checkpoints import assign_readers
-    from mpistrat.collectives.agreement import Failure, agree_errors
+    from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+    from mpistrat.errors import DataLossError, InvalidArgumentError
     from mpistrat.tfformats import bundle, bundle_writer
     from mpistrat.tfformats.object_graph import GRAPH_KEY, build_graph
     catalog = read_catalog(final, engine)
     paths = sorted(catalog)
-    graph, keys = build_graph({p: catalog[p].kind for p in paths})
-    owners = assign_readers([catalog[p].nbytes for p in paths] + [len(graph)], engine.size)
+    refused = []
+    for path in paths:
+        try:
+            bundle.dtype_enum(catalog[path].dtype)
+        except InvalidArgumentError:
+            refused.append(f"{path} ({catalog[path].dtype})")
+    if refused:   # (the catalog is agreed: every rank raises alike, before any write)
+        raise InvalidArgumentError(f"{final}: TensorFlow has no dtype for {', '.join(refused)}: "
+                                   f"nothing was written")
+    keys = _tf_keys(catalog, final)
+    agree_view(engine, None if keys is None else hashlib.sha1(repr(sorted(keys.items())).encode(
+        )).hexdigest(), f"{final} (its TensorFlow keys)", error=DataLossError)
+    graph = None
+    if keys is None:   # one of ours: a graph of our paths (its keys), as tf.train.Checkpoint's
+        graph, keys = build_graph({p: catalog[p].kind for p in paths})
+    elif engine.rank == 0:   # converted from TensorFlow: its own keys, and its graph if it had one
+        failure = None
+        try:
+            graph = _kept_graph(final)
+        except (ValueError, OSError) as err:
+            failure = Failure(err, 0, "reading the kept object graph")
+        agree_errors(engine, failure, f"converting {final} to {dst}")
+    else:
+        agree_errors(engine, None, f"converting {final} to {dst}")
+    owners = dict(zip(paths, assign_readers([catalog[p].nbytes for p in paths], engine.size)))
     mine: List[Tuple[str, np.ndarray]] = []
-    if owners[-1] == engine.rank:
+    if graph is not None and engine.rank == 0:
         mine.append((GRAPH_KEY, np.array(graph, dtype=object)))
     batches, size = [[]], 0
     for path in paths:  # read in batches of about 64 MiB; keep what this rank writes
@@ -126,14 +256,14 @@ def _ours_to_tf(final: str, dst: str, engine) -> Tuple[int, int, List[str]]:
         for batch in batches:
             if batch:
                 for path, value in read_values(final, reader, batch).items():
-                    if owners[paths.index(path)] == engine.rank:
+                    if owners[path] == engine.rank:
                         mine.append((keys[path], value))
     failure, entries = None, []
     try:
         entries = bundle_writer.write_shard(bundle.data_name(dst, engine.rank, engine.size),
                                             sorted(mine, key=lambda kv: kv[0].encode()),
                                             engine.rank)
-    except OSError as err:
+    except Exception as err:  # noqa: BLE001 - agreed, then raised on every rank
         failure = Failure(err, engine.rank, "writing a data shard")
     agree_errors(engine, failure, f"converting {final} to {dst}")
     gathered = engine.comm.gather(entries, root=0)
@@ -141,7 +271,7 @@ def _ours_to_tf(final: str, dst: str, engine) -> Tuple[int, int, List[str]]:
     if engine.rank == 0:
         try:
             bundle_writer.write_index(dst, engine.size, [e for part in gathered for e in part])
-        except OSError as err:
+        except Exception as err:  # noqa: BLE001 - agreed, then raised on every rank
             failure = Failure(err, 0, "writing the index")
     agree_errors(engine, failure, f"converting {final} to {dst}")
     return len(paths), sum(catalog[p].nbytes for p in paths), []
@@ -197,7 +327,7 @@ def main(argv=None) -> int:
         return 1
     if get_world().rank == 0:
         sys.stdout.write(f"{direction}: {count} values ({nbytes} bytes) from {args.src} to "
-                         f"{args.dst}" + (f"; skipped {', '.join(skipped)}" if skipped else "")
-                         + "\n")
+                         f"{args.dst}" + (f"; skipped {len(skipped)}: {', '.join(skipped)}"
+                                          if skipped else "") + "\n")
         sys.stdout.flush()
     return 0

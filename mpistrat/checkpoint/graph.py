@@ -40,8 +40,9 @@ The state protocol::
         def _restore_from_tensors(self, tensors):  # name -> np.ndarray
             self.count = int(tensors["count"])
 
-Path segments are checked against ``[A-Za-z0-9_.-]+`` both when saving and
-when reading a file, so a crafted file cannot address anything else.
+Path segments are checked against ``[A-Za-z0-9_.-]+`` plus the letters, marks and digits of
+any script (``café``, ``重み``: TensorFlow keeps such names as UTF-8), never ``.`` or ``..``,
+both when saving and when reading a file, so a crafted file cannot address anything else.
 
     >>> import numpy as np
     >>> from mpistrat.checkpoint.graph import collect_slots
@@ -56,6 +57,7 @@ import enum
 import functools
 import re
 import types
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
@@ -67,7 +69,7 @@ from mpistrat.distribute.variables import Variable
 __all__ = ["Slot", "SlotMap", "collect_slots", "required_paths", "check_segment",
            "check_path"]
 
-_SEGMENT = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_SEGMENT = re.compile(r"[A-Za-z0-9_.\-]+")
 _NUMBERS = (bool, int, float, np.number, np.bool_)
 _CODE = (types.FunctionType, types.MethodType, types.BuiltinFunctionType,
          types.BuiltinMethodType, types.LambdaType, staticmethod, classmethod)
@@ -76,7 +78,9 @@ _CODE = (types.FunctionType, types.MethodType, types.BuiltinFunctionType,
 def check_segment(name: Any) -> str:
     """A valid path segment, or ``ValueError`` naming it."""
     text = str(name)
-    if not _SEGMENT.match(text) or text in (".", ".."):
+    if not (_SEGMENT.fullmatch(text) or not text.isascii() and all(
+            c < "\x80" and _SEGMENT.fullmatch(c) or c >= "\x80" and
+            unicodedata.category(c)[0] in "LMN" for c in text)) or text in (".", ".."):
         raise ValueError(f"checkpoint object name {text!r} is not allowed: use letters, digits, "
                          f"'_', '.' and '-' only")
     return text

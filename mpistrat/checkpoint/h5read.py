@@ -26,12 +26,13 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
-from mpistrat.checkpoint.dtypes import ARRAY_TYPE_ATTR, DTYPE_ATTR, TF_NAME_ATTR, logical_dtype
+from mpistrat.checkpoint.dtypes import ARRAY_TYPE_ATTR, DTYPE_ATTR, logical_dtype
 from mpistrat.checkpoint.files import part_match
 from mpistrat.checkpoint.graph import check_path
 from mpistrat.checkpoint.h5write import checksum
 from mpistrat.checkpoint.layout import read_runs, rows_of
 from mpistrat.checkpoint.openfile import OpenFile
+from mpistrat.checkpoint.tf_origin import entry_names
 from mpistrat.checkpoint.validate import (MAX_PARTITIONS, check_checksums, check_dtype,
                                           check_extent, check_kind, check_partitions)
 from mpistrat.collectives import CollectiveEngine
@@ -64,6 +65,7 @@ class Entry:
     inline: Optional[np.ndarray] = field(default=None, repr=False)  # tiny compact values
     array_type: str = ""                      # "jax": saved from a JAX array
     tf_full_name: str = ""                    # converted from TensorFlow: the value's name
+    tf_key: str = ""                          # ... and its key there (``tf_origin.py``)
 
     @property
     def nbytes(self) -> int:
@@ -134,6 +136,9 @@ def _dataset_paths(f: h5py.File, final: str) -> List[str]:
     names: List[str] = []
     f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
     for name in names:
+        if not isinstance(name, str):      # (h5py's way with a name that is not UTF-8)
+            raise DataLossError(f"{final}: dataset {bytes(name)[:80]!r}: its name is not UTF-8 "
+                                f"text, which is not allowed in a checkpoint")
         try:
             check_path(name)
         except ValueError as err:
@@ -160,12 +165,7 @@ def _entry(final: str, files: Dict[str, OpenFile], dset: h5py.Dataset, name: str
     if ARRAY_TYPE_ATTR in dset.attrs and _scalar_attr(dset, ARRAY_TYPE_ATTR, where) in \
             ("jax", b"jax"):        # (anything else: a later version's type, read as NumPy)
         entry.array_type = "jax"
-    if TF_NAME_ATTR in dset.attrs:
-        name = _scalar_attr(dset, TF_NAME_ATTR, where)
-        name = name.decode("utf-8", "replace") if isinstance(name, bytes) else name
-        if not isinstance(name, str) or len(name) > 4096:
-            raise DataLossError(f"{where}: attribute {TF_NAME_ATTR} is not a name")
-        entry.tf_full_name = name
+    entry.tf_full_name, entry.tf_key = entry_names(dset.attrs, where)
     dcpl = dset.id.get_create_plist()
     layout = dcpl.get_layout()
     if layout == h5py.h5d.VIRTUAL:

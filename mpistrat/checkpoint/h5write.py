@@ -39,10 +39,11 @@ import numpy as np
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.checkpoint import h5layout
 from mpistrat.checkpoint.consensus import agree_values, value_digest
-from mpistrat.checkpoint.dtypes import ARRAY_TYPE_ATTR, DTYPE_ATTR, TF_NAME_ATTR, to_stored
+from mpistrat.checkpoint.dtypes import ARRAY_TYPE_ATTR, DTYPE_ATTR, to_stored
 from mpistrat.checkpoint.files import (MARKER, USERBLOCK, create_exclusive, part_name,
                                        remove_checkpoint, same_file, temp_name)
 from mpistrat.checkpoint.layout import partition_owner, write_partitions
+from mpistrat.checkpoint.tf_origin import graph_attrs, value_attrs
 from mpistrat.checkpoint.validate import check_dtype
 from mpistrat.collectives import CollectiveEngine
 from mpistrat.collectives.objects import broadcast_object
@@ -119,9 +120,11 @@ class _Plan:
 
 def write_file(final: str, values: Dict[str, np.ndarray], kinds: Dict[str, str],
                engine: CollectiveEngine, mode: Optional[str] = None,
-               tf_names: Optional[Dict[str, str]] = None) -> None:
+               tf_names: Optional[Dict[str, str]] = None,
+               tf_keys: Optional[Dict[str, str]] = None, tf_graph: Optional[bytes] = None) -> None:
     """Write ``values`` (the same on every rank) to ``final``, atomically. Collective.
-    ``tf_names`` (``convert``): TensorFlow's ``full_name`` of values, kept as attributes.
+    ``tf_names``, ``tf_keys``, ``tf_graph`` (``convert``): TensorFlow's ``full_name`` and key
+    of values, and the source's object graph, kept as attributes (``tf_origin.py``).
 
     Refused on every rank before a byte is written: a dtype that could not be restored
     (``TypeError`` naming the object path, ``dtypes.py``) and values that differ between
@@ -137,7 +140,9 @@ def write_file(final: str, values: Dict[str, np.ndarray], kinds: Dict[str, str],
     agree_errors(engine, failure, what)
     plan = _Plan({p: v for p, (v, _) in stored.items()}, rank, size)
     plan.dtype_names = {p: name for p, (_, name) in stored.items() if name is not None}
-    plan.tf_names = dict(tf_names or {})
+    plan.tf_attrs = {p: value_attrs((tf_names or {}).get(p), (tf_keys or {}).get(p))
+                     for p in plan.paths}
+    plan.root_attrs = graph_attrs(tf_graph)
     every = [(p, k) for p in plan.paths for k in range(len(plan.layouts[p]))]
     fault_point("checkpoint-before-checksums")
     checksums = dict(zip(every, _parallel_checksums([plan.block(*pk) for pk in every])))
@@ -264,14 +269,13 @@ def _attrs(plan: _Plan, kinds, checksums, path: str) -> Dict:
         attrs[DTYPE_ATTR] = plan.dtype_names[path]
     if array_type:
         attrs[ARRAY_TYPE_ATTR] = array_type
-    if path in plan.tf_names:
-        attrs[TF_NAME_ATTR] = plan.tf_names[path]
+    attrs.update(plan.tf_attrs[path])
     return attrs
 
 
-def _root_attrs(size: int, token: str) -> Dict:
+def _root_attrs(size: int, token: str, extra: Optional[Dict] = None) -> Dict:
     return {"mpistrat_format_version": FORMAT_VERSION, "mpistrat_world_size": size,
-            "mpistrat_token": token}
+            "mpistrat_token": token, **(extra or {})}
 
 
 def _attempt(rank: int, what: str, step) -> Tuple[Optional[Failure], object]:
@@ -298,7 +302,7 @@ def _write_shared(final, plan, kinds, checksums, token, engine, what) -> None:
         if rank == 0:
             entries = [(p, plan.values[p], _attrs(plan, kinds, checksums, p)) for p in plan.paths]
             failure, laid = _attempt(rank, f"laying out {tmp}", lambda: _create_layout(
-                tmp, entries, _root_attrs(size, token)))
+                tmp, entries, _root_attrs(size, token, plan.root_attrs)))
             if laid is not None:
                 offsets, created = laid
         agree_errors(engine, failure, what)
@@ -375,7 +379,7 @@ def _write_master(tmp, final, plan, kinds, checksums, parts, token, size) -> Non
         if value.ndim:  # a scalar is stored in the master itself
             sources[p] = [[a, b, names[partition_owner(index, part, size)], f"{p}/part-{part}"]
                           for part, (a, b) in enumerate(plan.layouts[p])]
-    _, fd = _create_layout(tmp, entries, _root_attrs(size, token), sources)
+    _, fd = _create_layout(tmp, entries, _root_attrs(size, token, plan.root_attrs), sources)
     try:
         _commit(tmp, final, fd)
     finally:

@@ -39,52 +39,18 @@ from mpistrat.errors import DataLossError, InvalidArgumentError, NotFoundError
 from mpistrat.io.safe_files import UnreadableFile, read_regular
 from mpistrat.tfformats import messages
 from mpistrat.tfformats.crc import crc32c, extend, unmask
+from mpistrat.tfformats.tf_dtypes import REFUSED as _REFUSED
+from mpistrat.tfformats.tf_dtypes import STRING, dtype_enum, numpy_dtype
 from mpistrat.tfformats.slices import decode_slice_key, is_slice_key, plan_pieces
 from mpistrat.tfformats.sstable import read_table
 from mpistrat.tfformats.wire import WireError, read_varint
 
 __all__ = ["BundleEntry", "BundleIndex", "read_index", "read_value", "decode_value",
            "data_name", "index_name", "is_bundle", "numpy_dtype", "dtype_enum", "refusal",
-           "length_bytes", "STRING", "MAX_INDEX_BYTES"]
+           "length_bytes", "tf_shape", "STRING", "MAX_INDEX_BYTES"]
 
-STRING = 7
 MAX_INDEX_BYTES = 1 << 30      # an index this large holds millions of tensors: refused
 _MAX_RANK = 254                 # TensorFlow's limit
-_NUMERIC = {1: "float32", 2: "float64", 3: "int32", 4: "uint8", 5: "int16", 6: "int8",
-            8: "complex64", 9: "int64", 10: "bool", 17: "uint16", 18: "complex128",
-            19: "float16", 22: "uint32", 23: "uint64"}
-_ML_DTYPES = {14: "bfloat16", 24: "float8_e5m2", 25: "float8_e4m3fn", 26: "float8_e4m3fnuz",
-              27: "float8_e4m3b11fnuz", 28: "float8_e5m2fnuz"}
-_REFUSED = {11: "qint8", 12: "quint8", 13: "qint32", 15: "qint16", 16: "quint16",
-            20: "resource", 21: "variant", 29: "int4", 30: "uint4", 31: "int2", 32: "uint2",
-            33: "float4_e2m1fn"}
-
-
-def numpy_dtype(enum: int, where: str) -> np.dtype:
-    """The NumPy dtype of TensorFlow's ``DataType`` ``enum`` (``object`` for strings)."""
-    if enum == STRING:
-        return np.dtype(object)
-    if enum in _NUMERIC:
-        return np.dtype(_NUMERIC[enum])
-    if enum in _ML_DTYPES:
-        import ml_dtypes
-        return np.dtype(getattr(ml_dtypes, _ML_DTYPES[enum]))
-    if enum in _REFUSED:
-        raise InvalidArgumentError(f"{where}: TensorFlow dtype {_REFUSED[enum]} is not "
-                                   f"supported (numbers, bool, bfloat16, float8 and strings are)")
-    raise DataLossError(f"{where}: unknown TensorFlow dtype {enum}: the file is corrupt")
-
-
-def dtype_enum(dtype: np.dtype) -> int:
-    """TensorFlow's ``DataType`` for a NumPy dtype (``object``/bytes: ``DT_STRING``)."""
-    dtype = np.dtype(dtype)
-    if dtype.kind in "OS":
-        return STRING
-    for table in (_NUMERIC, _ML_DTYPES):
-        for enum, name in table.items():
-            if dtype.name == name:
-                return enum
-    raise InvalidArgumentError(f"dtype {dtype} has no TensorFlow checkpoint equivalent")
 
 
 def index_name(prefix: str) -> str:
@@ -224,6 +190,30 @@ def _check_claims(entries: List[BundleEntry], sizes: Dict[str, int], path: str) 
                                 f"writes")
 
 
+def tf_shape(proto, where: str) -> Tuple[int, ...]:
+    """The dims of a ``TensorShapeProto`` by TensorFlow's rule (its reader aborts the process
+    on anything else; this names it, ``DataLossError``): a known rank of at most 254 dims,
+    none negative, and the product of the dims, taken left to right, never past 2**63 - 1 (so
+    ``[0, 2**62, 2**62]`` is a shape, of no element, and ``[2**62, 2**62, 0]`` is not).
+
+        >>> data = messages.serialize("TensorShapeProto", {"dim": [{"size": 0}, {"size": 3}]})
+        >>> tf_shape(messages.parse("TensorShapeProto", data, "a test"), "a test")
+        (0, 3)
+    """
+    if proto.unknown_rank or len(proto.dim) > _MAX_RANK:
+        raise DataLossError(f"{where}: invalid shape (unknown rank or over {_MAX_RANK} dims)")
+    shape = tuple(int(d.size) for d in proto.dim)
+    count = 1
+    for size in shape:
+        if size < 0:
+            raise DataLossError(f"{where}: invalid shape {list(shape)}: a negative dimension")
+        count *= size
+        if count >= 1 << 63:
+            raise DataLossError(f"{where}: shape {list(shape)} is too large for any array: "
+                                f"its dimensions multiply past 2**63 - 1")
+    return shape
+
+
 def _check_header(header, path: str) -> None:
     if not 1 <= header.num_shards <= 100000:
         raise DataLossError(f"{path}: the bundle header claims {header.num_shards} shards")
@@ -255,13 +245,7 @@ def _entry(key: str, proto, shards: List[str], sizes: Dict[int, int],
     if proto.dtype in _REFUSED:   # (a tf.data iterator's state, a resource): listed only
         return _refused_entry(key, proto, shards, sizes, where)
     dtype = numpy_dtype(proto.dtype, where)
-    if proto.shape.unknown_rank or len(proto.shape.dim) > _MAX_RANK:
-        raise DataLossError(f"{where}: invalid shape (unknown rank or over {_MAX_RANK} dims)")
-    shape = tuple(int(d.size) for d in proto.shape.dim)
-    if any(d < 0 for d in shape):
-        raise DataLossError(f"{where}: invalid shape {list(shape)}")
-    if math.prod(max(d, 1) for d in shape) * dtype.itemsize >= 1 << 62:   # (even if empty)
-        raise DataLossError(f"{where}: shape {list(shape)} is too large for any array")
+    shape = tf_shape(proto.shape, where)
     if not 0 <= proto.shard_id < len(shards):
         raise DataLossError(f"{where}: shard {proto.shard_id} of a bundle of {len(shards)}")
     if proto.offset < 0 or proto.size < 0:
@@ -287,17 +271,15 @@ def _refused_entry(key: str, proto, shards: List[str], sizes: Dict[int, int],
                    where: str) -> BundleEntry:
     """An entry of a dtype we cannot hold, checked as far as it can be (its bytes lie in
     its shard), so that the checkpoint can be listed and its other values read."""
-    if proto.shape.unknown_rank or len(proto.shape.dim) > _MAX_RANK or \
-            any(d.size < 0 for d in proto.shape.dim):
-        raise DataLossError(f"{where}: invalid shape")
+    shape = tf_shape(proto.shape, where)
     if not 0 <= proto.shard_id < len(shards) or proto.offset < 0 or proto.size < 0:
         raise DataLossError(f"{where}: shard {proto.shard_id}, offset {proto.offset} or size "
                             f"{proto.size} is invalid")
     file_size = _shard_size(shards, proto.shard_id, sizes, where)
     if proto.offset + proto.size > file_size:
         raise DataLossError(f"{where}: bytes beyond the end of {shards[proto.shard_id]}")
-    return BundleEntry(key, proto.dtype, np.dtype("V1"), tuple(int(d.size) for d in
-                       proto.shape.dim), shards[proto.shard_id], int(proto.offset),
+    return BundleEntry(key, proto.dtype, np.dtype("V1"), shape, shards[proto.shard_id],
+                       int(proto.offset),
                        int(proto.size), int(proto.crc32c), _REFUSED[proto.dtype])
 
 
@@ -356,9 +338,21 @@ def decode_value(entry: BundleEntry, raw) -> np.ndarray:
     if crc32c(raw) != unmask(entry.crc):
         raise DataLossError(f"{where}: CRC-32C mismatch: the data shard is corrupt")
     if sys.byteorder == "little":
-        return np.frombuffer(raw, dtype=entry.dtype).reshape(entry.shape)
+        return _shaped(np.frombuffer(raw, dtype=entry.dtype), entry, where)
     stored = np.frombuffer(raw, dtype=entry.dtype.newbyteorder("<"))
-    return stored.astype(entry.dtype).reshape(entry.shape)
+    return _shaped(stored.astype(entry.dtype), entry, where)
+
+
+def _shaped(flat: np.ndarray, entry: BundleEntry, where: str) -> np.ndarray:
+    """``flat`` in the entry's shape. A tensor of no element may have dims NumPy cannot hold
+    (``[0, 2**62]`` of float32: their bytes pass 2**63): TensorFlow lists it and its
+    ``get_tensor`` fails with NumPy's ``ValueError``; this names it (``InvalidArgumentError``,
+    a ``ValueError``)."""
+    try:
+        return flat.reshape(entry.shape)
+    except ValueError as err:
+        raise InvalidArgumentError(f"{where}: NumPy cannot hold an array of shape "
+                                   f"{list(entry.shape)} and dtype {entry.dtype} ({err})") from None
 
 
 def length_bytes(length: int) -> bytes:
@@ -369,7 +363,7 @@ def _decode_strings(entry: BundleEntry, raw: memoryview, where: str) -> np.ndarr
     out = np.empty(entry.count, dtype=object)
     if entry.size == 0:                      # TensorFlow writes nothing for some empties
         out[:] = b""
-        return out.reshape(entry.shape)
+        return _shaped(out, entry, where)
     lengths, pos = [], 0
     try:
         for _ in range(entry.count):
@@ -391,4 +385,4 @@ def _decode_strings(entry: BundleEntry, raw: memoryview, where: str) -> np.ndarr
     for index, length in enumerate(lengths):
         out[index] = bytes(raw[pos:pos + length])
         pos += length
-    return out.reshape(entry.shape)
+    return _shaped(out, entry, where)

@@ -10,6 +10,12 @@ values are found by walking child names, never by parsing keys.
 Our object paths map onto it thus: a node's *path* is its first path in breadth-first order
 (the one TensorFlow's own keys use); its ``VARIABLE_VALUE`` is the value at that path, and
 any other attribute ``NAME`` the value at ``PATH/NAME`` (a state tensor, as ours are saved).
+A graph is a file's word, so ``parse_graph`` bounds its work by the graph's size: only nodes
+reachable from the root are visited, each once (cycles are allowed, as in TensorFlow); a
+path deeper than ``MAX_DEPTH`` is refused at that depth, however long the chain; the lengths
+of the value paths are added up as numbers before any path is spelled (at most
+``path_budget(len(data))`` characters), and each path is spelled once, from its node's first
+parent chain, never by concatenating its ancestors' paths; names must be UTF-8 text.
 Slot variables of TF's legacy optimizers sit at
 ``VARIABLE/.OPTIMIZER_SLOT/OPTIMIZER/SLOT``, as in their keys::
 
@@ -24,22 +30,35 @@ Slot variables of TF's legacy optimizers sit at
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from mpistrat.errors import DataLossError
 from mpistrat.tfformats import messages
+from mpistrat.tfformats.wire import WireError, read_varint, varint
 
 __all__ = ["GRAPH_KEY", "GraphValue", "ObjectGraph", "parse_graph", "build_graph",
-           "escape_name"]
+           "escape_name", "drop_attributes", "path_budget"]
 
 GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VARIABLE_VALUE = "VARIABLE_VALUE"
-MAX_NODES = 10_000_000
+MAX_NODES = 1 << 22             # 4 Mi objects (a 1,000-layer Keras model has about 10,000)
+MAX_GRAPH_BYTES = 1 << 28       # 256 MiB (parsed, a graph takes up to 15 times its bytes)
 MAX_DEPTH = 1000                # object paths nest this deep at most (Keras: about 10)
-MAX_PATH_CHARS = 1 << 28        # the characters of all first paths together
+_SLOT = "/.OPTIMIZER_SLOT/"
 
 
-@dataclass(frozen=True)
+def path_budget(graph_bytes: int) -> int:
+    """The most characters the value paths of a graph of ``graph_bytes`` may spell: 1 Mi plus
+    twice its bytes (each attribute of a graph TensorFlow writes spells its path in its own
+    ``checkpoint_key``, so its paths never add up to more than its bytes)::
+
+        >>> path_budget(100) - (1 << 20)
+        200
+    """
+    return (1 << 20) + 2 * graph_bytes
+
+
+@dataclass(frozen=True, slots=True)
 class GraphValue:
     """One saved tensor: its node, attribute name, checkpoint key and our object path."""
 
@@ -51,26 +70,19 @@ class GraphValue:
 
 
 class ObjectGraph:
-    """The parsed graph; ``find(path)`` follows child names from the root."""
+    """The parsed graph; ``find(path)`` follows child names from the root.
 
-    def __init__(self, children: List[Dict[str, int]], attributes: List[Dict[str, tuple]],
-                 slots: List[Tuple[int, int, str, int]]):
-        self.children, self.attributes = children, attributes
-        self.paths = _first_paths(children)
-        for optimizer, original, slot_name, slot_node in slots:  # legacy optimizer slots
-            if slot_node not in self.paths and optimizer in self.paths and original in self.paths:
-                self.paths[slot_node] = (f"{self.paths[original]}/.OPTIMIZER_SLOT/"
-                                         f"{self.paths[optimizer]}/{slot_name}").lstrip("/")
-        self.values: List[GraphValue] = []
+    ``children`` maps each reachable node that has children to ``{local name: node}``;
+    ``values`` lists every saved tensor of a reachable (or slot) node, in node order.
+    """
+
+    def __init__(self, children: Dict[int, Dict[str, int]], values: List[GraphValue]):
+        self.children, self.values = children, values
         self._by_path: Dict[str, GraphValue] = {}
         self._by_node: Dict[Tuple[int, str], GraphValue] = {}
-        for node, path in sorted(self.paths.items()):
-            for name, (key, full_name) in attributes[node].items():
-                value_path = path if name == VARIABLE_VALUE else f"{path}/{name}".lstrip("/")
-                value = GraphValue(node, name, key, value_path, full_name)
-                self.values.append(value)
-                self._by_path.setdefault(value_path, value)
-                self._by_node[node, name] = value
+        for value in values:
+            self._by_path.setdefault(value.path, value)
+            self._by_node[value.node, value.name] = value
 
     def find(self, path: str) -> Optional[GraphValue]:
         """The value our object at ``path`` restores from, or ``None``."""
@@ -78,7 +90,7 @@ class ObjectGraph:
             return self._by_path[path]
         node, segments = 0, path.split("/")
         for index, segment in enumerate(segments):
-            child = self.children[node].get(segment)
+            child = self.children.get(node, {}).get(segment)
             if child is None:  # the last segment may name an attribute of the node reached
                 if index == len(segments) - 1:
                     return self._by_node.get((node, segment))
@@ -87,66 +99,109 @@ class ObjectGraph:
         return self._by_node.get((node, VARIABLE_VALUE))
 
 
-def _first_paths(children: List[Dict[str, int]]) -> Dict[int, str]:
-    """Each reachable node's first path from the root in breadth-first order."""
-    paths = {0: ""}
+def _text(name: str, where: str, what: str) -> str:
+    """``name`` if it is text (the pure-Python wire reader keeps invalid UTF-8 as
+    surrogates, where protobuf refuses the message: both end here as a named error)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise DataLossError(f"{where}: {what} {name!r} is not UTF-8 text") from None
+    return name
+
+
+def _walk(nodes, count: int, where: str):
+    """Breadth-first from the root, each reachable node once: ``children`` (nodes with any),
+    each node's first ``(parent, local name)`` and the length of its path."""
+    children: Dict[int, Dict[str, int]] = {}
+    first: Dict[int, Tuple[int, str]] = {}
+    depth, length = {0: 0}, {0: 0}
     queue = deque([0])
     while queue:
         node = queue.popleft()
-        for name, child in children[node].items():
-            if child not in paths:
-                paths[child] = f"{paths[node]}/{name}".lstrip("/")
-                queue.append(child)
-    return paths
+        edges: Dict[str, int] = {}
+        for ref in nodes[node].children:
+            child, name = ref.node_id, _text(ref.local_name, where, f"node {node}'s child name")
+            if not 0 <= child < count:
+                raise DataLossError(f"{where}: node {node} names child node {child} of a graph "
+                                    f"of {count}")
+            if name in edges:          # (a repeated name: the first one holds)
+                continue
+            edges[name] = child
+            if child in depth:         # reached before (a shared object, or a cycle)
+                continue
+            depth[child] = depth[node] + 1
+            if depth[child] > MAX_DEPTH:
+                raise DataLossError(f"{where}: the object graph nests deeper than {MAX_DEPTH} "
+                                    f"levels: node {child} is at depth {depth[child]} (each "
+                                    f"object holding the next); not a checkpoint TensorFlow "
+                                    f"writes")
+            first[child] = (node, name)
+            length[child] = length[node] + bool(length[node] or node) + len(name)
+            queue.append(child)
+        if edges:
+            children[node] = edges
+    return children, first, length
+
+
+def _spell(node: int, first: Dict[int, Tuple[int, str]]) -> str:
+    names = []
+    while node in first:
+        node, name = first[node]
+        names.append(name)
+    return "/".join(reversed(names))
 
 
 def parse_graph(data: bytes, where: str) -> ObjectGraph:
-    """The graph encoded in ``data``; ``DataLossError`` naming ``where`` if it is malformed."""
+    """The graph encoded in ``data``; ``DataLossError`` naming ``where`` if it is malformed
+    or would take more than its size bounds to hold (see the module's notes)."""
+    if len(data) > MAX_GRAPH_BYTES:
+        raise DataLossError(f"{where}: an object graph of {len(data)} bytes (at most "
+                            f"{MAX_GRAPH_BYTES})")
     proto = messages.parse("TrackableObjectGraph", data, where)
-    count = len(proto.nodes)
+    nodes = proto.nodes
+    count = len(nodes)
     if not 0 < count <= MAX_NODES:
-        raise DataLossError(f"{where}: an object graph of {count} nodes")
-    children: List[Dict[str, int]] = []
-    attributes: List[Dict[str, tuple]] = []
-    slots = []
-    for index, node in enumerate(proto.nodes):
-        edges: Dict[str, int] = {}
-        for ref in node.children:
-            if not 0 <= ref.node_id < count:
-                raise DataLossError(f"{where}: node {index} names child node {ref.node_id} "
-                                    f"of a graph of {count}")
-            edges.setdefault(ref.local_name, ref.node_id)
-        children.append(edges)
-        attributes.append({a.name: (a.checkpoint_key, a.full_name) for a in node.attributes})
-        for slot in node.slot_variables:
+        raise DataLossError(f"{where}: an object graph of {count} nodes (at most {MAX_NODES})")
+    children, first, length = _walk(nodes, count, where)
+    slots: Dict[int, Tuple[int, int, str]] = {}   # slot node -> (original, optimizer, name)
+    for optimizer in sorted(length):
+        for slot in nodes[optimizer].slot_variables:
             ids = (slot.original_variable_node_id, slot.slot_variable_node_id)
             if not all(0 <= i < count for i in ids):
-                raise DataLossError(f"{where}: node {index} names slot nodes {ids} of a graph "
-                                    f"of {count}")
-            slots.append((index, ids[0], slot.slot_name, ids[1]))
-    _check_paths(children, where)
-    return ObjectGraph(children, attributes, slots)
-
-
-def _check_paths(children: List[Dict[str, int]], where: str) -> None:
-    """Refuse a graph whose first paths would be too deep or too long to hold (a crafted
-    chain of 80,000 nodes spelled out every path: gigabytes, then a bare ``MemoryError``);
-    the lengths are counted before any path is made."""
-    depth, length = {0: 0}, {0: 0}
-    queue, total = deque([0]), 0
-    while queue:
-        node = queue.popleft()
-        for name, child in children[node].items():
-            if child in depth:
-                continue
-            depth[child], length[child] = depth[node] + 1, length[node] + 1 + len(name)
-            total += length[child]
-            if depth[child] > MAX_DEPTH or total > MAX_PATH_CHARS:
-                raise DataLossError(f"{where}: the object graph nests deeper than {MAX_DEPTH} "
-                                    f"levels or its paths exceed {MAX_PATH_CHARS} characters "
-                                    f"(node {child} at depth {depth[child]}): not a checkpoint "
-                                    f"TensorFlow writes")
-            queue.append(child)
+                raise DataLossError(f"{where}: node {optimizer} names slot nodes {ids} of a "
+                                    f"graph of {count}")
+            if ids[1] not in length and ids[1] not in slots and ids[0] in length:
+                name = _text(slot.slot_name, where, f"node {optimizer}'s slot name")
+                slots[ids[1]] = (ids[0], optimizer, name)
+    for node, (original, optimizer, name) in slots.items():
+        length[node] = length[original] + len(_SLOT) + length[optimizer] + 1 + len(name)
+    owners = sorted(length)
+    total, budget = 0, path_budget(len(data))
+    for node in owners:
+        for attribute in nodes[node].attributes:
+            total += length[node] + (0 if attribute.name == VARIABLE_VALUE else
+                                     bool(length[node]) + len(attribute.name))
+        if total > budget:
+            raise DataLossError(f"{where}: the object graph's value paths add up to over "
+                                f"{budget} characters (node {node}): not a checkpoint "
+                                f"TensorFlow writes")
+    values: List[GraphValue] = []
+    for node in owners:
+        attributes = {a.name: a for a in nodes[node].attributes}   # (a repeated name: the last)
+        if not attributes:
+            continue
+        if node in slots:
+            original, optimizer, name = slots[node]
+            path = f"{_spell(original, first)}{_SLOT}{_spell(optimizer, first)}/{name}".lstrip("/")
+        else:
+            path = _spell(node, first)
+        for name, attribute in attributes.items():
+            name = _text(name, where, f"node {node}'s attribute")
+            key = _text(attribute.checkpoint_key, where, f"node {node}'s checkpoint key")
+            full_name = _text(attribute.full_name, where, f"node {node}'s full name")
+            value_path = path if name == VARIABLE_VALUE else f"{path}/{name}" if path else name
+            values.append(GraphValue(node, name, key, value_path, full_name))
+    return ObjectGraph(children, values)
 
 
 def escape_name(name: str) -> str:
@@ -186,3 +241,64 @@ def build_graph(kinds: Dict[str, str]) -> Tuple[bytes, Dict[str, str]]:
     for node in nodes:
         node["has_checkpoint_values"] = {"value": True}
     return messages.serialize("TrackableObjectGraph", {"nodes": nodes}), keys
+
+
+def _fields(data, pos: int, end: int) -> Iterable[Tuple[int, int, int, int, int]]:
+    """``(number, start, payload start, payload end, end)`` of each field in
+    ``data[pos:end]`` (the payload of a length-delimited field; else the value's bytes)."""
+    while pos < end:
+        start = pos
+        tag, pos = read_varint(data, pos, end)
+        wire = tag & 7
+        if wire == 0:
+            _, stop = read_varint(data, pos, end)
+        elif wire in (1, 5):
+            stop = pos + (8 if wire == 1 else 4)
+        elif wire == 2:
+            size, pos = read_varint(data, pos, end)
+            stop = pos + size
+        else:
+            raise WireError(f"wire type {wire}")
+        if stop > end:
+            raise WireError("a field runs past the end of its message")
+        yield tag >> 3, start, pos, stop, stop
+        pos = stop
+
+
+def _key_of(data, start: int, end: int) -> bytes:
+    """The ``checkpoint_key`` (field 3) of the ``SerializedTensor`` in ``data[start:end]``."""
+    key = b""
+    for number, _, a, b, _ in _fields(data, start, end):
+        if number == 3:
+            key = bytes(data[a:b])
+    return key
+
+
+def drop_attributes(data: bytes, keys: Set[str], where: str) -> bytes:
+    """The serialized graph ``data`` without the attributes whose ``checkpoint_key`` is one
+    of ``keys`` (values left out of a conversion); every other byte as it was, so that a
+    graph that loses nothing is returned unchanged::
+
+        >>> data, keys = build_graph({"a": "variable", "b": "variable"})
+        >>> smaller = drop_attributes(data, {keys["b"]}, "a test")
+        >>> [v.path for v in parse_graph(smaller, "a test").values]
+        ['a']
+    """
+    drop = {key.encode("utf-8") for key in keys}
+    out = bytearray()
+    try:
+        for number, start, a, b, end in _fields(data, 0, len(data)):
+            if number != 1:
+                out += data[start:end]
+                continue
+            node = bytearray()
+            for inner, s, c, d, e in _fields(data, a, b):
+                if inner != 2 or _key_of(data, c, d) not in drop:
+                    node += data[s:e]
+            if len(node) == b - a:
+                out += data[start:end]          # (unchanged: kept byte for byte)
+            else:
+                out += varint(1 << 3 | 2) + varint(len(node)) + node
+    except WireError as err:
+        raise DataLossError(f"{where}: the object graph is not a valid message ({err})") from None
+    return bytes(out)

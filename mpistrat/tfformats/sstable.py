@@ -11,8 +11,13 @@ A table is data blocks, a metaindex block, an index block and a 48-byte footer::
 
 The index block maps a key at or after each data block's last key to that block's handle.
 ``read_table`` checks everything (sizes, handles inside the file, CRCs, varints, restart
-points, strictly increasing keys) before it returns a single entry; ``build_table`` writes
-the same format::
+points, strictly increasing keys) before it returns a single entry, and its work is bounded
+by the file's size: the data blocks must lie in order before the index block, each after the
+previous one (a block listed twice, overlapping, pointing backwards or at the index block is
+refused, so no byte is parsed twice), none is empty, and the keys that prefix compression
+expands must stay within ``key_budget(len(file))`` bytes (a crafted block whose every key
+repeats the one before plus a byte would otherwise expand quadratically).
+``build_table`` writes the same format::
 
     >>> from mpistrat.tfformats.sstable import build_table, read_table
     >>> data = build_table([(b"", b"header"), (b"a/b", b"1"), (b"a/c", b"2")])
@@ -27,13 +32,24 @@ from mpistrat.errors import DataLossError
 from mpistrat.tfformats.crc import masked_crc32c
 from mpistrat.tfformats.wire import WireError, read_varint, varint
 
-__all__ = ["read_table", "build_table", "MAGIC", "FOOTER_BYTES"]
+__all__ = ["read_table", "build_table", "key_budget", "MAGIC", "FOOTER_BYTES"]
 
 MAGIC = 0xDB4775248B80FB57
 FOOTER_BYTES = 48
 _TRAILER = 5
 _RAW, _SNAPPY = 0, 1
 _SNAPPY_MAX_RATIO = 32  # snappy's longest copy (64 bytes from 3) bounds the expansion
+
+
+def key_budget(file_bytes: int) -> int:
+    """The most key bytes a table of ``file_bytes`` may expand to: 64 MiB plus 16 per byte
+    of the file (TensorFlow's indexes expand 2-5 times; a real one of 300-byte keys sharing
+    all but 10 bytes, under 30 times, only in files far below the 64 MiB)::
+
+        >>> key_budget(1000) - (64 << 20)
+        16000
+    """
+    return (64 << 20) + 16 * file_bytes
 
 
 def _fail(where: str, what: str, key: Optional[bytes] = None) -> DataLossError:
@@ -55,8 +71,10 @@ def _block(data, handle: Tuple[int, int], limit: int, where: str, what: str) -> 
     """The checked contents of the block at ``handle`` (uncompressed)."""
     offset, size = handle
     if offset + size + _TRAILER > limit:
-        raise _fail(where, f"the {what} block at offset {offset} of {size} bytes lies beyond "
-                           f"the table's {limit} bytes of blocks (the file is truncated?)")
+        raise _fail(where, f"the {what} block at offset {offset} of {size} bytes runs past "
+                           f"byte {limit}, where the "
+                           f"{'index block' if what == 'data' else 'footer'} starts (the "
+                           f"file is truncated?)")
     contents = data[offset:offset + size]
     kind = data[offset + size]
     (stored,) = struct.unpack_from("<I", data, offset + size + 1)
@@ -93,8 +111,9 @@ def _unsnappy(contents: bytes, where: str, what: str, offset: int) -> bytes:
     return raw
 
 
-def _entries(block: bytes, where: str, what: str, last: Optional[bytes]):
-    """The ``(key, value)`` entries of one block, keys checked strictly increasing."""
+def _entries(block: bytes, where: str, what: str, last: Optional[bytes], budget: List[int]):
+    """The ``(key, value)`` entries of one block, keys checked strictly increasing; each
+    key's bytes are taken from ``budget[0]`` (``DataLossError`` once it is spent)."""
     if len(block) < 4:
         raise _fail(where, f"a {what} block of {len(block)} bytes has no restart count", last)
     (count,) = struct.unpack_from("<I", block, len(block) - 4)
@@ -102,24 +121,35 @@ def _entries(block: bytes, where: str, what: str, last: Optional[bytes]):
         raise _fail(where, f"a {what} block claims {count} restart points in "
                            f"{len(block)} bytes", last)
     end = len(block) - 4 * (count + 1)
-    restarts = set(struct.unpack_from(f"<{count}I", block, end))
-    if max(restarts) >= max(end, 1):
+    restarts = struct.unpack_from(f"<{count}I", block, end)
+    if restarts[0] != 0 or any(a >= b for a, b in zip(restarts, restarts[1:])):
+        raise _fail(where, f"a {what} block's restart array is not increasing from 0 "
+                           f"({list(restarts[:4])}...)", last)
+    if restarts[-1] >= max(end, 1):
         raise _fail(where, f"a {what} block has a restart point beyond its entries", last)
     out: List[Tuple[bytes, bytes]] = []
     key = b""
     pos = 0
-    starts = set()
+    at = 0             # the next restart point to meet
     while pos < end:
         start = pos
-        starts.add(start)
         try:
             shared, pos = read_varint(block, pos, end)
             unshared, pos = read_varint(block, pos, end)
             length, pos = read_varint(block, pos, end)
         except WireError as err:
             raise _fail(where, f"bad entry in a {what} block ({err})", last) from None
-        if shared > len(key) or (start in restarts and shared) or unshared + length > end - pos:
+        restart = at < count and restarts[at] == start
+        if at < count and restarts[at] < start:
+            raise _fail(where, f"a {what} block has restart point {restarts[at]} inside an "
+                               f"entry", last)
+        at += restart
+        if shared > len(key) or (restart and shared) or unshared + length > end - pos:
             raise _fail(where, f"bad entry in a {what} block at byte {start}", last)
+        budget[0] -= shared + unshared
+        if budget[0] < 0:
+            raise _fail(where, f"its keys expand past {key_budget(0) >> 20} MiB plus 16 bytes "
+                               f"per byte of the file (a crafted prefix compression)", last)
         key = key[:shared] + block[pos:pos + unshared]
         value = block[pos + unshared:pos + unshared + length]
         pos += unshared + length
@@ -128,7 +158,7 @@ def _entries(block: bytes, where: str, what: str, last: Optional[bytes]):
                         last)
         out.append((key, value))
         last = key
-    if restarts - starts - ({0} if not out else set()):
+    if at < count and (out or restarts != (0,)):
         raise _fail(where, f"a {what} block has restart points between its entries", last)
     return out
 
@@ -148,18 +178,29 @@ def read_table(data, where: str) -> List[Tuple[bytes, bytes]]:
         raise _fail(where, f"bad magic number {magic:#018x} (expected {MAGIC:#018x})")
     _, pos = _handle(data, footer, footer + 40, where)        # metaindex: nothing we need
     index_handle, _ = _handle(data, pos, footer + 40, where)
-    index = _entries(_block(data, index_handle, footer, where, "index"), where, "index", None)
+    budget = [key_budget(len(data))]
+    index = _entries(_block(data, index_handle, footer, where, "index"), where, "index", None,
+                     budget)
     out: List[Tuple[bytes, bytes]] = []
     last: Optional[bytes] = None
+    free = 0           # data blocks lie in order, each after the one before, all before the index
     for index_key, encoded in index:
         handle, used = _handle(encoded, 0, len(encoded), where)
         if used != len(encoded):
             raise _fail(where, "an index entry holds more than a block handle", last)
-        block = _entries(_block(data, handle, footer, where, "data"), where, "data", last)
-        if block and block[-1][0] > index_key:
+        if handle[0] < free:
+            raise _fail(where, f"the index lists a data block at offset {handle[0]}, before the "
+                               f"end of the block listed before it ({free}): a block listed "
+                               f"twice, overlapping or out of order", last)
+        block = _entries(_block(data, handle, index_handle[0], where, "data"), where, "data",
+                         last, budget)
+        if not block:
+            raise _fail(where, f"the data block at offset {handle[0]} holds no entries", last)
+        if block[-1][0] > index_key:
             raise _fail(where, "an index key sorts before its block's last key", block[-1][0])
+        free = handle[0] + handle[1] + _TRAILER
         out.extend(block)
-        last = out[-1][0] if out else last
+        last = out[-1][0]
     return out
 
 

@@ -115,6 +115,7 @@ for out in checks["exact"]:                            # restored into the origi
     assert getattr(module, "café").numpy().tolist() == [1.5, -2.0, 3.25]
     assert module.table["ключ"].numpy().tolist() == [7, 8]
     import keras
+    keras.backend.clear_session()   # the fixture's automatic names, for each file checked
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="relu"),
                               keras.layers.Dense(2)])
     optimizer = keras.optimizers.Adam(0.01)

@@ -10,6 +10,10 @@ train step:
 * ``update_metrics``: a train step's metric variables after one batch
   (``Model._update_metrics_variables``: the compiled metrics and the loss tracker, with
   sample weights, as Keras's own train step updates them);
+* ``replica_losses``: a replica's losses scaled as Keras's TensorFlow backend scales them
+  under a strategy of N replicas (``keras.src.losses.loss.scale_loss_for_distribution`` and
+  its inverse, and ``Trainer._aggregate_additional_loss``; no-ops on JAX otherwise), an
+  empty batch's loss 0 (``keras.src.losses.loss.reduce_values``);
 * ``each_epoch``: a Keras ``DataAdapter`` (``keras.src.trainers.data_adapters``) that
   iterates an mpistrat distributed dataset afresh each epoch; a ``PyDataset`` needs a length
   or an infinite stream, and Python generators are iterated once;
@@ -36,11 +40,12 @@ Tested against Keras 3.15.1 (the newest; ``pyproject.toml`` allows 3.10 and late
     '3.15.1'
 """
 
+import contextlib
 from typing import Any, Callable, Iterator
 
-__all__ = ["update_metrics", "each_epoch", "own_state", "optimizer_state", "initial_epoch",
-           "set_initial_epoch", "reload_state", "momentum_slots", "rebuild_optimizer",
-           "h5_optimizer_weights", "TESTED"]
+__all__ = ["update_metrics", "replica_losses", "each_epoch", "own_state", "optimizer_state",
+           "initial_epoch", "set_initial_epoch", "reload_state", "momentum_slots",
+           "rebuild_optimizer", "h5_optimizer_weights", "in_stateless_scope", "TESTED"]
 
 TESTED = "3.15.1"   # the Keras versions whose private names below were checked
 
@@ -62,6 +67,60 @@ def update_metrics(model: Any, metrics_variables, unscaled_loss, x, y, y_pred,
     if update is None:
         raise _missing("Model._update_metrics_variables")
     return update(metrics_variables, unscaled_loss, x, y, y_pred, sample_weight)[1]
+
+
+@contextlib.contextmanager
+def replica_losses(model: Any, replicas: int):
+    """Within it (while a step is traced), ``model``'s losses are one replica's share as
+    Keras's TensorFlow backend computes them under a strategy of ``replicas`` replicas: a
+    mean loss (``sum_over_batch_size``, ``mean``, ``mean_with_sample_weight``) and each
+    regularisation loss times ``1 / replicas``, a summed loss as it is, and the per-output
+    loss metrics given the loss times ``replicas``; a replica without rows reduces its empty
+    batch to 0, as TensorFlow's traced shapes (batch size unknown) do, where Keras on JAX
+    would hand back the empty array (which a regularisation loss cannot be added to). Keras's
+    JAX backend keeps the scaling as no-ops (``scale_loss_for_distribution`` acts for
+    TensorFlow alone); these are set for the trace and put back after it (a step traced in
+    another thread meanwhile would see them)::
+
+        with replica_losses(model, 2):
+            loss, aux = model.compute_loss_and_updates(...)
+    """
+    try:
+        from keras.src.losses import loss as losses
+        saved = {name: getattr(losses, name) for name in (
+            "reduce_values", "scale_loss_for_distribution", "unscale_loss_for_distribution")}
+        aggregate = type(model)._aggregate_additional_loss
+    except (ImportError, AttributeError):
+        raise _missing("keras.src.losses.loss.reduce_values / scale_loss_for_distribution / "
+                       "unscale_loss_for_distribution, Trainer._aggregate_additional_loss") \
+            from None
+    from keras import ops
+    reduce = saved["reduce_values"]
+
+    def reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
+        if tuple(values.shape) == (0,) and reduction not in (None, "none"):
+            return ops.sum(values)   # (0: the sum of nothing, and a mean's divide_no_nan)
+        return reduce(values, sample_weight, reduction)
+
+    def scaled(value):   # (the operations of Keras's TensorFlow branch)
+        return ops.multiply(value, ops.cast(1.0 / replicas, value.dtype))
+
+    def unscaled(value):
+        return ops.multiply(value, ops.cast(replicas, value.dtype))
+
+    losses.reduce_values = reduce_values
+    if replicas > 1:
+        losses.scale_loss_for_distribution = scaled
+        losses.unscale_loss_for_distribution = unscaled
+        object.__setattr__(model, "_aggregate_additional_loss",
+                           lambda loss: scaled(aggregate(model, loss)))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(losses, name, value)
+        if replicas > 1:
+            object.__delattr__(model, "_aggregate_additional_loss")
 
 
 def each_epoch(batches: Callable[[], Iterator]) -> Any:
@@ -160,3 +219,14 @@ def h5_optimizer_weights(group: Any) -> list:
         raise _missing("keras.src.legacy.saving.legacy_h5_format."
                        "load_optimizer_weights_from_hdf5_group") from None
     return list(load_optimizer_weights_from_hdf5_group(group))
+
+
+def in_stateless_scope() -> bool:
+    """Whether Keras runs inside a ``StatelessScope`` (a layer built by a symbolic run of its
+    caller: what is assigned there is dropped when the scope ends), so a checkpoint restore
+    waits for the build that ends outside it."""
+    try:
+        from keras.src.backend.common.stateless_scope import in_stateless_scope as probe
+    except ImportError:
+        raise _missing("keras.src.backend.common.stateless_scope.in_stateless_scope") from None
+    return bool(probe())

@@ -9,7 +9,8 @@ Pure checks of ``fit``'s arguments and collective agreements (every rank raises 
 * ``agreed_batches``: each rank's own Python generator (its length unknown until it runs
   dry) yields a batch only when every rank's has one; when some run dry before the others,
   every rank raises naming each rank's count (Horovod would hang);
-* ``_refuse_sum_reduction``: a loss with ``reduction="sum"`` is refused by name;
+* ``loss_rule``: how the replicas' gradients combine for the compiled losses (a mean, or
+  ``reduction="sum"`` by TensorFlow's rule), and the reductions refused by name;
 * ``_split_off``: Keras's ``validation_split`` on arrays, the last rows held out::
 
     x, y, w, held = _split_off(x, y, None, 0.25)
@@ -20,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["same_arrays_everywhere", "same_steps_everywhere", "agreed_batches"]
+__all__ = ["same_arrays_everywhere", "same_steps_everywhere", "agreed_batches",
+           "loss_rule"]
 
 
 def _rows(tree) -> int:
@@ -161,17 +163,41 @@ def _split_off(x, y, sample_weight, fraction: float):
     return kept + (held,)
 
 
-def _refuse_sum_reduction(model: Any) -> None:
-    """A loss summed over the replica's rows (``reduction="sum"``) would be weighted by rows
-    here like a mean, giving other weights and another logged loss than one process: named."""
+def loss_rule(model: Any, per_rank_data: bool = False, synchronized: bool = False) -> str:
+    """How the replicas' gradients of ``model``'s compiled losses combine in ``fit``:
+    ``"rows"`` when every loss is a mean (``sum_over_batch_size``, ``mean``, ...: each
+    replica's gradient weighted by its rows, the gradient of the global batch's mean), or
+    ``"replicas"`` when a loss has ``reduction="sum"`` (TensorFlow's rule: each replica's
+    losses scaled as Keras's TensorFlow backend scales them, the gradients summed)::
+
+        loss_rule(model)   # "replicas" after compile(loss=MeanSquaredError(reduction="sum"))
+
+    Refused by name (``ValueError``): ``reduction="none"`` (a loss per row: Keras on JAX
+    refuses it in one process too, its gradient needs a scalar), and ``"sum"`` with each
+    rank's own data (``mpistrat.horovod``) or with ``SyncBatchNormalization``, whose numbers
+    are not checked against TensorFlow's."""
     import jax
+    import keras
     losses = jax.tree_util.tree_leaves(getattr(model, "loss", None),
-                                       is_leaf=lambda v: hasattr(v, "reduction"))
-    for loss in losses:
-        if getattr(loss, "reduction", None) == "sum":
-            name = getattr(loss, "name", loss)
-            raise ValueError(f"model.fit under a strategy: the loss {name!r} "
-                             f"has reduction='sum', which is not supported here (its gradient "
-                             f"and logged loss would differ from one process's); use the default "
-                             f"'sum_over_batch_size', or write the step with "
-                             f"ms.nn.compute_average_loss")
+                                       is_leaf=lambda v: isinstance(v, keras.losses.Loss))
+    reductions = [(getattr(loss, "name", str(loss)), getattr(loss, "reduction", None))
+                  for loss in losses if isinstance(loss, keras.losses.Loss)]
+    for name, reduction in reductions:
+        if reduction in (None, "none"):
+            raise ValueError(
+                f"model.fit under a strategy: the loss {name!r} has reduction={reduction!r} "
+                f"(a value per row), which is not supported: Keras on JAX refuses it in one "
+                f"process too (a gradient needs a scalar loss). Use reduction='sum' or the "
+                f"default 'sum_over_batch_size'")
+    summed = [name for name, reduction in reductions if reduction == "sum"]
+    if not summed:
+        return "rows"
+    where = ("with each rank's own data (mpistrat.horovod)" if per_rank_data else
+             "with SyncBatchNormalization" if synchronized else None)
+    if where is not None:
+        raise ValueError(
+            f"model.fit {where}: the loss {summed[0]!r} has reduction='sum', which is not "
+            f"supported there (its numbers are not checked against TensorFlow's); use the "
+            f"default 'sum_over_batch_size', or write the step with "
+            f"ms.nn.compute_average_loss")
+    return "replicas"

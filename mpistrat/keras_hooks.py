@@ -1,7 +1,10 @@
 """Where mpistrat hooks into Keras's classes: ``compile`` and ``fit``, wrapped once.
 
 ``install()`` runs when a strategy is made or its scope entered with Keras already imported
-(``on_scope``, registered with ``distribute.strategy.add_scope_hook``). Each wrapper replaces
+(``on_scope``, registered with ``distribute.strategy.add_scope_hook``), or, when Keras is not
+imported yet then, right after ``import keras`` runs (``on_scope`` puts a finder of ours on
+``sys.meta_path`` that takes itself off at that import), so the guard below holds whichever
+is imported first. Each wrapper replaces
 the method on the Keras class that defines it (so ``keras.models.load_model``, which checks
 that ``compile`` is Keras's own, still compiles the models it loads):
 
@@ -28,22 +31,59 @@ that ``compile`` is Keras's own, still compiles the models it loads):
       reference.fit(x, y)
 """
 
+import importlib.abc
+import importlib.util
 import sys
 import threading
 from typing import Any
+
+from mpistrat.keras_context import global_metrics, holds_global_sums, train_alone  # noqa: F401
 
 __all__ = ["install", "on_scope", "refuse_undistributed_fit", "train_alone", "global_metrics"]
 
 _INSTALLED = False
 _LOCAL = threading.local()   # .reading: a metric's result() is being read (nested reads of
-                             # its sub-metrics see the sums already); .global_state: the
-                             # metrics hold global sums (a distributed fit or evaluate)
+                             # its sub-metrics see the sums already)
 
 
 def on_scope() -> None:
-    """The scope hook: if Keras is already imported, ``install()`` (Keras stays optional)."""
-    if not _INSTALLED and "keras" in sys.modules:
+    """The scope hook: if Keras is already imported, ``install()``; else ``install()`` right
+    after Keras is imported (Keras stays optional: nothing imports it here)."""
+    if _INSTALLED:
+        return
+    if "keras" in sys.modules:
         install()
+    elif not any(isinstance(f, _AfterKerasImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterKerasImport())
+
+
+class _AfterKerasImport(importlib.abc.MetaPathFinder):
+    """A finder that answers for the top-level ``keras`` module alone: it takes itself off
+    ``sys.meta_path``, finds Keras's own spec as the import would have, and makes its loader
+    call ``install()`` once Keras's ``__init__`` has run (so a model compiled outside every
+    scope, with Keras imported after the strategy was made, is still refused by ``fit``)::
+
+        strategy = ms.MultiWorkerMirroredStrategy()   # Keras not imported yet: armed
+        import keras                                  # fit's guard installed here
+    """
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "keras":
+            return None
+        while self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)   # (the finders after us, as the import would)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            install()
+
+        loader.exec_module = exec_module   # (this import's loader object only)
+        return spec
 
 
 def install() -> None:
@@ -146,7 +186,7 @@ def _sync_on_read(original):
     def result(self, *args, **kwargs):
         strategy = getattr(self, "_mpistrat_sync_on_read", None)
         if strategy is None or getattr(_LOCAL, "reading", False) or \
-                getattr(_LOCAL, "global_state", False) or _replicas_context() is not None \
+                holds_global_sums() or _replicas_context() is not None \
                 or _in_stateless_scope():
             return original(self, *args, **kwargs)
         variables = list(self.variables)
@@ -179,20 +219,6 @@ def _in_stateless_scope() -> bool:
     if probe is None:
         from keras.src.backend.common.stateless_scope import in_stateless_scope as probe
     return bool(probe())
-
-
-class global_metrics:
-    """Within it, metrics made in a scope hold global sums already (a distributed ``fit``,
-    ``evaluate`` or ``predict``): ``result()`` reads them as they are."""
-
-    def __enter__(self):
-        self._before = getattr(_LOCAL, "global_state", False)
-        _LOCAL.global_state = True
-        return self
-
-    def __exit__(self, *exc):
-        _LOCAL.global_state = self._before
-        return False
 
 
 def _horovod_strategy(optimizer: Any) -> Any:
@@ -235,16 +261,6 @@ def refuse_undistributed_fit(model: Any) -> None:
             f"Compile it inside `with strategy.scope():` (build it there too, or call "
             f"ms.keras_support.distribute_model(model, strategy) after compiling; or, to "
             f"train on each rank alone on purpose, ms.keras_support.train_alone(model))")
-
-
-def train_alone(model: Any) -> Any:
-    """Let ``model.fit`` train this rank's copy alone, without the strategy (e.g. a reference
-    run or a per-rank fine-tune), where a strategy of several replicas exists::
-
-        ms.keras_support.train_alone(model).fit(x, y)    # this rank only, nothing averaged
-    """
-    model._mpistrat_alone = True
-    return model
 
 
 def _register() -> None:

@@ -18,9 +18,12 @@ What changes for a compiled model (instance attributes; the Keras classes are un
   (``mpistrat.data.rebatch.rebatch_slices``: ``ceil(B/N)`` rows per replica, later replicas
   may get 0 rows). ``shuffle=True`` permutes the rows once per epoch with the same seeded
   order on every rank (seed ``keras_shuffle_seed``, default 0).
-* The train step weights each replica's gradient by its row count and sums over the ranks
-  (one ordered host all-reduce per step, ``ms.nn.all_reduce_gradients``), so the update is
-  the gradient of the loss averaged over the global batch, as one process would compute it.
+* The train step (``keras_steps.py``) weights each replica's gradient by its row count and
+  sums over the ranks (one ordered host all-reduce per step, ``ms.nn.all_reduce_gradients``),
+  so the update is the gradient of the loss averaged over the global batch, as one process
+  would compute it. A loss with ``reduction="sum"`` follows TensorFlow's rule instead (each
+  replica's losses scaled as Keras's TensorFlow backend scales them, the gradients summed,
+  the logged loss N times the replica's), with TensorFlow's weights and logged loss.
 * Metric variables: each step's change is summed over the ranks, so the loss tracker and
   additive metrics (``Mean``, accuracy, ``MeanSquaredError``, confusion counts) hold the
   global values on every rank; per-step and epoch logs agree across ranks.
@@ -36,9 +39,10 @@ What changes for a compiled model (instance attributes; the Keras classes are un
   ``mpistrat.horovod`` (``per_rank_data``) nothing is sent at compile, as in Horovod:
   ``BroadcastGlobalVariablesCallback`` gives every rank its root's after the first batch,
   and ranks that start apart without it raise by name when training starts.
-* BatchNormalization's moving statistics (no other non-trainable state) are averaged over the
-  ranks that had rows at each step (the mean TensorFlow reads and saves of its per-replica
-  copies), so they are the same on every rank and a checkpoint takes them.
+* Non-trainable state the step writes (BatchNormalization's moving statistics, renorm's
+  too) is averaged over the ranks that had rows at each step: the mean of the copies each
+  replica would keep (the update is linear), the same on every rank, so a checkpoint takes it;
+  seed generators advance alike everywhere (``keras_steps.py``).
   ``SyncBatchNormalization`` (``keras_sync_bn.py``) normalises with the global batch's
   statistics instead, as ``BatchNormalization(synchronized=True)`` does in TensorFlow.
 
@@ -56,13 +60,12 @@ from typing import Any
 
 import numpy as np
 
-from mpistrat.horovod.optimizer import reduced_here
 from mpistrat.keras_callbacks import for_fit
-from mpistrat.keras_checks import (_is_arrays, _refuse_sum_reduction, _rows,  # noqa: F401
-                                   _split_off, agreed_batches, same_arrays_everywhere,
-                                   same_steps_everywhere)
-from mpistrat.keras_hooks import global_metrics
-from mpistrat.keras_hooks import train_alone  # noqa: F401  (ms.keras_support.train_alone)
+from mpistrat.keras_checks import (_is_arrays, _rows, _split_off, agreed_batches,
+                                   loss_rule, same_arrays_everywhere, same_steps_everywhere)
+from mpistrat.keras_context import global_metrics
+from mpistrat.keras_context import train_alone  # noqa: F401  (ms.keras_support.train_alone)
+from mpistrat.keras_steps import _horovod_reduction, make_steps
 from mpistrat.keras_sync_bn import bind as bind_sync_bn, synchronizes
 
 __all__ = ["distribute_model", "mirror_weights", "train_alone", "SyncBatchNormalization"]
@@ -144,33 +147,6 @@ def _own_epochs(strategy, dataset, what: str):
         strategy, (batch for batch in dataset.as_numpy_iterator()), what))
 
 
-def _statistics(model) -> list:
-    """Per non-trainable variable: whether it is a running statistic averaged over the ranks
-    (BatchNormalization's ``moving_mean`` and ``moving_variance``; a frozen layer's kernel is
-    non-trainable too, and is left alone)."""
-    return [v.name in ("moving_mean", "moving_variance") and
-            np.issubdtype(np.dtype(v.dtype), np.floating) for v in model.non_trainable_variables]
-
-
-def _scalar_loss(compute):
-    """``compute`` with its loss summed to a scalar: on a replica without rows (which runs
-    the passes only to join a SyncBatchNormalization's all-reduces) Keras's loss is empty."""
-    def scalar(*args, **kwargs):
-        loss, aux = compute(*args, **kwargs)
-        return (loss.sum() if getattr(loss, "ndim", 0) else loss), aux
-    return scalar
-
-
-def _horovod_reduction(optimizer: Any) -> Any:
-    """The ``GradientReduction`` of an ``hvd.DistributedOptimizer`` (maybe inside Keras's
-    ``LossScaleOptimizer``), else ``None``."""
-    for candidate in (optimizer, getattr(optimizer, "inner_optimizer", None)):
-        reduction = getattr(candidate, "_mpistrat_hvd_reduction", None)
-        if reduction is not None:
-            return reduction
-    return None
-
-
 def mirror_weights(model: Any, strategy: Any) -> None:
     """Give every rank rank 0's values of ``model``'s variables (collective), as variables
     created in a TensorFlow strategy's scope start from one replica's initial values."""
@@ -198,11 +174,7 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
     ``backward_passes_per_step`` other than 1 is refused by name.
     """
     import jax
-    import jax.numpy as jnp
-    import keras
     from keras.utils import unpack_x_y_sample_weight
-    from mpistrat.keras_adapter import update_metrics
-    from mpistrat.nn import all_reduce_gradients
     from mpistrat.runtime import get_world
 
     if getattr(strategy.extended, "variable_class", None) is not None:
@@ -212,89 +184,9 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
     if getattr(model, "_mpistrat_strategy", None) is strategy:
         return model
     cls = type(model)
-
-    def reduce_sum(tree):
-        return all_reduce_gradients(tree, strategy, "SUM")
-
-    def metrics_logs(metrics_variables):
-        with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables,
-                                                         metrics_variables))):
-            return model.get_metrics_result()
-
-    def summed_deltas(old, new, present):
-        deltas = [jnp.where(present, n - o, jnp.zeros_like(o)) for o, n in zip(old, new)]
-        return deltas
-
     bind_sync_bn(model, strategy)   # (layers made before the scope, or under hvd alone)
     synchronized = synchronizes(model)
-
-    def train_step(state, data):
-        trainable, non_trainable, optimizer_vars, metrics_vars = state
-        x, y, sample_weight = unpack_x_y_sample_weight(data)
-        rows = _rows(x)
-        present = rows > 0   # a replica with 0 rows contributes nothing (static shape)
-        if present or synchronized:   # (SyncBatchNormalization: every replica joins its sums)
-            grad_fn = jax.value_and_grad(_scalar_loss(model.compute_loss_and_updates),
-                                         has_aux=True)
-            (_, aux), grads = grad_fn(trainable, non_trainable, metrics_vars, x, y,
-                                      sample_weight, training=True,
-                                      optimizer_variables=optimizer_vars)
-            unscaled, y_pred, non_trainable, after_loss = aux
-            new_metrics = update_metrics(model, after_loss, unscaled, x, y, y_pred,
-                                         sample_weight)
-        else:
-            grads = jax.tree_util.tree_map(jnp.zeros_like, trainable)
-            new_metrics = metrics_vars
-        weight = jnp.asarray(rows, jnp.float32)
-        # hvd.DistributedOptimizer with op=Sum, compression or a predivide factor: each
-        # rank's own mean gradient reduced by Horovod's rules; else weighted by rows below
-        horovod = _horovod_reduction(model.optimizer) if per_rank_data else None
-        horovod = horovod.for_fit() if horovod is not None else None
-        if horovod is not None:
-            local = jax.tree_util.tree_map(
-                lambda g: jnp.where(present, g, jnp.zeros_like(g)), grads)
-            weighted = []
-        else:
-            weighted = jax.tree_util.tree_map(
-                lambda g: jnp.where(present, g * weight.astype(g.dtype), jnp.zeros_like(g)),
-                grads)
-        deltas = summed_deltas(metrics_vars, new_metrics, present)
-        # float state (BatchNormalization's moving statistics): the mean over the ranks
-        # with rows, the value TensorFlow reads and saves of its per-replica copies
-        # (ON_READ, MEAN); so every rank holds the same state and a checkpoint takes it
-        floats = [jnp.where(present, v, jnp.zeros_like(v)) if averaged else None
-                  for v, averaged in zip(non_trainable, _statistics(model))]
-        weighted, total_rows, deltas, floats, holders = reduce_sum(
-            (weighted, weight, deltas, floats, jnp.asarray(float(present), jnp.float32)))
-        non_trainable = [v if f is None else jnp.where(
-            holders > 0, f / jnp.maximum(holders, 1.0).astype(f.dtype), v)
-            for v, f in zip(non_trainable, floats)]
-        if horovod is not None:
-            grads = horovod(list(local))
-        else:
-            grads = jax.tree_util.tree_map(
-                lambda g: g / jnp.maximum(total_rows, 1.0).astype(g.dtype), weighted)
-        with reduced_here():   # (reduced above: a DistributedOptimizer applies them as they are)
-            trainable, optimizer_vars = model.optimizer.stateless_apply(optimizer_vars, grads,
-                                                                        trainable)
-        metrics_vars = [o + d for o, d in zip(metrics_vars, deltas)]
-        return metrics_logs(metrics_vars), (trainable, non_trainable, optimizer_vars,
-                                            metrics_vars)
-
-    def test_step(state, data):
-        trainable, non_trainable, metrics_vars = state
-        x, y, sample_weight = unpack_x_y_sample_weight(data)
-        rows = _rows(x)
-        new_metrics = metrics_vars
-        if rows > 0:
-            _, aux = model.compute_loss_and_updates(trainable, non_trainable, metrics_vars, x,
-                                                    y, sample_weight, training=False)
-            unscaled, y_pred, non_trainable, after_loss = aux
-            new_metrics = update_metrics(model, after_loss, unscaled, x, y, y_pred,
-                                         sample_weight)
-        deltas = reduce_sum(summed_deltas(metrics_vars, new_metrics, rows > 0))
-        metrics_vars = [o + d for o, d in zip(metrics_vars, deltas)]
-        return metrics_logs(metrics_vars), (trainable, non_trainable, metrics_vars)
+    train_step, test_step = make_steps(model, strategy, per_rank_data, synchronized)
 
     def share(x, y, sample_weight, batch_size, shuffle, what="fit"):
         from mpistrat.data.dataset import Dataset
@@ -325,7 +217,7 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
                                                               validation_split)
         from mpistrat.data.dataset import Dataset
         from mpistrat.distribute.input_lib import DistributedDataset
-        _refuse_sum_reduction(model)
+        loss_rule(model, per_rank_data, synchronized)   # (what it refuses, before anything runs)
         if isinstance(validation_data, Dataset) and not per_rank_data:
             validation_data = strategy.experimental_distribute_dataset(validation_data)
         if isinstance(validation_data, DistributedDataset):   # (Keras: "Unrecognized data type")
@@ -357,7 +249,7 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
 
     def evaluate(x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
                  **kwargs):
-        _refuse_sum_reduction(model)
+        loss_rule(model, per_rank_data, synchronized)
         if kwargs.get("_use_cached_eval_dataset"):
             with global_metrics():
                 return cls.evaluate(model, x, y, batch_size=batch_size, verbose=verbose,

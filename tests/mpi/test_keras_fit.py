@@ -291,16 +291,21 @@ def test_validation_data_may_be_a_distributed_dataset(world):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_a_summed_loss_is_refused_by_name(world):
-    """Before, reduction='sum' weighted each replica's sum by its rows: other weights and
-    another logged loss at 2 ranks than at 1, silently."""
+@pytest.mark.parametrize("reduction", ["none", None])
+def test_a_loss_per_row_is_refused_by_name(world, reduction):
+    """Before, reduction='none' was summed and weighted by rows: other weights than
+    TensorFlow's, silently (Keras on JAX refuses it in one process). reduction='sum' trains as
+    TensorFlow does (test_keras_tf_oracle.py)."""
     strategy = ms.MultiWorkerMirroredStrategy()
     x, y = data()
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-        model.compile(optimizer="sgd", loss=keras.losses.MeanSquaredError(reduction="sum"))
-    with pytest.raises(ValueError, match="reduction='sum'"):
+        model.compile(optimizer="sgd",
+                      loss=keras.losses.MeanSquaredError(reduction=reduction))
+    before = weights(model)
+    with pytest.raises(ValueError, match=f"reduction={reduction!r}"):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(before, weights(model)))
 
 
 @pytest.mark.mpi(min_size=1)

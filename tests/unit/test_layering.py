@@ -65,3 +65,64 @@ def test_the_table_knows_every_module():
     assert layer("mpistrat.preemption") > layer("mpistrat.checkpoint.manager") > \
         layer("mpistrat.distribute.input_lib") > layer("mpistrat.data.readers") > \
         layer("mpistrat.collectives.engine")
+
+
+def _graph():
+    """module -> the mpistrat modules it imports (module level or inside a function)."""
+    graph = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        module = str(path.relative_to(ROOT.parent).with_suffix("")).replace("/", ".")
+        module = module.removesuffix(".__init__")
+        graph[module] = {t for t in imports(path, module) if t != module}
+    return graph
+
+
+def circles(graph) -> list:
+    """The import circles of ``graph``: its strongly connected components of two or more
+    modules (Tarjan's algorithm, iterative), each sorted."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], [0]
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = counter[0]; counter[0] += 1
+        stack.append(start); on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop(); on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = counter[0]; counter[0] += 1
+                stack.append(child); on_stack.add(child)
+                work.append((child, iter(sorted(graph.get(child, ())))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+def test_the_circle_finder_finds_a_circle_inside_one_layer():
+    graph = {"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "a.w": {"a.x"}}
+    assert circles(graph) == [["a.x", "a.y", "a.z"]]
+    assert circles({"a.x": {"a.y"}, "a.y": set()}) == []
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    """Within a layer too: two modules that need each other are one concept or need a third.
+    A package's ``__init__`` (which hands on its modules' names) is left out as a target."""
+    graph = _graph()
+    packages = {m for m in graph if (ROOT.parent / m.replace(".", "/") / "__init__.py").exists()}
+    graph = {m: {t for t in targets if t not in packages} for m, targets in graph.items()}
+    found = circles(graph)
+    assert not found, "\n".join(" <-> ".join(c) for c in found)

@@ -31,6 +31,28 @@ PRELUDE = (
 )
 
 
+def descendants(pid: int) -> list:
+    """Every process below ``pid`` (its children, theirs, ...) as ``(parent, child)`` pairs,
+    each parent before its children, from one reading of ``/proc/*/stat`` (the field after
+    the command name's closing parenthesis and the state is the parent's pid). A process
+    that ends meanwhile is left out."""
+    children: dict = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        kids = children.get(parent, [])
+        found += [(parent, kid) for kid in kids]
+        todo += kids
+    return found
+
+
 class Launched:
     """The outcome of a launched MPI job."""
 

@@ -224,8 +224,8 @@ def compile_steps(steps: Sequence[Step], apart: bool) -> Tuple[tuple, int]:
 
 
 # Compiled ring and Rabenseifner schedules, by (algorithm, rank, size, count, apart): a
-# training loop reduces the same tensor sizes every step, and making the steps cost more
-# than two small exchanges (docs/benchmarks.md, issue 20's sixth step).
+# training loop reduces the same tensor sizes every step, and making the steps anew at each
+# call cost more than two small exchanges.
 _COMPILED: dict = {}
 _STEPS = {"ring": ring_allreduce_steps, "rabenseifner": rabenseifner_steps}
 

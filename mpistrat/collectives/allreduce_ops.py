@@ -277,7 +277,7 @@ class HostOp:
 
     name = "host-mpi"
     validates = False
-    writes_out = True   # (into the caller's buffers: collectives/into.py)
+    writes_out = True   # (into the caller's buffers: collectives/out_buffers.py)
 
     def __init__(self, comm, backend, engine_options: CommunicationOptions):
         self.comm, self.backend = comm, backend

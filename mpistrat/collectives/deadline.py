@@ -71,8 +71,8 @@ def idle(started: float) -> None:
     For the first ``SPIN_SECONDS`` (20 ms) it only yields the CPU to any other runnable
     process (``os.sched_yield``) and returns, as MPI's own blocking wait keeps polling: a
     sleep, however short, costs Linux's timer slack (about 55 µs), which a ring step pays
-    at every step (a 1 MiB ring at 4 ranks took 2.2x its time without a deadline with a
-    10 µs-to-1 ms back-off; docs/benchmarks.md, issue 20's sixth step). After that it
+    at every step (with a back-off from 10 µs to 1 ms instead, a 1 MiB ring at 4 ranks took
+    2.2x its time without a deadline). After that it
     sleeps 1 ms: a wait for a rank still computing costs no CPU, and a stall is seen
     within a millisecond.
 

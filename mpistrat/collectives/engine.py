@@ -28,7 +28,7 @@ from mpistrat.collectives.buffer_pool import default_cap
 from mpistrat.collectives.deadline import Deadline, wait_all
 from mpistrat.collectives.dtypes import dtype_code, refuse
 from mpistrat.collectives.host_callbacks import TRACED, settle
-from mpistrat.collectives.into import out_lists, out_problem, place_of
+from mpistrat.collectives.out_buffers import out_lists, out_problem, place_of
 from mpistrat.collectives.options import CommunicationImplementation, CommunicationOptions
 from mpistrat.collectives.reduce_op import ReduceOp
 from mpistrat.collectives.reproducible import deterministic_default
@@ -153,7 +153,7 @@ class CollectiveEngine:
         ``MPISTRAT_DETERMINISTIC=1``) SUM and MEAN are bitwise reproducible
         (``collectives/reproducible.py``). ``out`` (NumPy arrays: one, or a list or
         tuple matching ``value``) receives the results, which are returned; ``out=value``
-        reduces in place (``collectives/into.py``); a bad ``out`` on any rank raises on
+        reduces in place (``collectives/out_buffers.py``); a bad ``out`` on any rank raises on
         every rank (its text, or where ``out`` lies, is part of what the ranks agree on)::
 
             grads = engine.all_reduce(grads, "SUM", out=grads)   # the caller's buffers

@@ -22,7 +22,7 @@ from mpistrat.collectives.algorithms import allreduce, choose_algorithm
 from mpistrat.collectives.deadline import Deadline
 from mpistrat.collectives.dtypes import accumulator, from_wire, to_wire
 from mpistrat.collectives.fusion import ALONE_BYTES, plan_buckets
-from mpistrat.collectives.into import OUT_ALONE_BYTES, same_buffer
+from mpistrat.collectives.out_buffers import OUT_ALONE_BYTES, same_buffer
 from mpistrat.collectives.reduce_op import ReduceOp, divide_for_mean
 
 __all__ = ["FusedPlan", "runs_of", "wire_dtype", "fused_all_reduce"]
@@ -95,7 +95,7 @@ def fused_all_reduce(comm: MPI.Comm, arrays: Sequence[np.ndarray], op: ReduceOp,
 
     ``plans`` caches one ``FusedPlan`` per signature; results are new arrays
     (views of the new buffers, which are the caller's), the inputs are left untouched. With ``out``
-    (``collectives/into.py``, checked by the caller) the results are written there and
+    (``collectives/out_buffers.py``, checked by the caller) the results are written there and
     tensors from ``OUT_ALONE_BYTES`` are reduced alone, each straight into its own ``out``.
     ``combine(send, recv)`` runs one buffer's all-reduce (the host backend passes its
     topology-aware choice); by default the algorithm that suits the size. ``signature``:

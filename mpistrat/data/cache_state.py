@@ -3,8 +3,8 @@
 tf.data saves a memory cache with its iterator: the whole cache once complete, else the
 elements written so far together with the position of its input (``cache_dataset_ops.cc``:
 ``MemoryIterator`` and ``MemoryWriterIterator``), so a restored iterator yields the cached
-elements and never computes them again. mpistrat does the same (issue 44: a ``map`` calling a
-random generator without a seed below the cache gave other values after a resume). What the
+elements and never computes them again. mpistrat does the same, so that a ``map`` below the
+cache that calls a random generator without a seed gives the same values after a resume. What the
 ``Cache`` nodes of one rank's pipeline hold (``Contents``: the rows of a row plan, the slices
 and sizes of batches of a batch plan, or the elements of a sequential iteration, complete or
 so far) is that rank's *section*::

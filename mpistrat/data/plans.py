@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from mpistrat import nest
-from mpistrat.data.held import Held, sorted_unique
+from mpistrat.data.held_rows import Held, sorted_unique
 from mpistrat.data.mapping import apply, as_leaf, map_stacked, parallel_map
 from mpistrat.data.rows import Rows
 

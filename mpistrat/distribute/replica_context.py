@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 from mpistrat.collectives import CommunicationOptions, ReduceOp
 from mpistrat.distribute.context import entered
-from mpistrat.distribute.results import scalars_to_numpy
+from mpistrat.distribute.scalar_results import scalars_to_numpy
 
 __all__ = ["ReplicaContext"]
 

@@ -30,7 +30,7 @@ from mpistrat.distribute.context import ValueContext, current_strategy_entry, en
 from mpistrat.distribute.reduction import (LazyNames, as_array, combine_local, mean, partial,
                                            restore, same_shapes)
 from mpistrat.distribute.replica_context import ReplicaContext
-from mpistrat.distribute.results import scalars_to_numpy
+from mpistrat.distribute.scalar_results import scalars_to_numpy
 from mpistrat.distribute.values import DistributedValues, Mirrored, PerReplica, local_component
 from mpistrat.runtime.devices import array_module
 

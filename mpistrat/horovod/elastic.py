@@ -17,7 +17,7 @@ Every name below raises ``hvd.NotSupportedError`` (a ``NotImplementedError`` and
 
 from typing import Any
 
-from mpistrat.horovod import NotSupportedError
+from mpistrat.horovod.world import NotSupportedError
 
 __all__ = ["run", "State", "ObjectState", "KerasState", "TensorFlowKerasState",
            "TensorFlowState", "CommitStateCallback", "UpdateBatchStateCallback",

@@ -68,7 +68,7 @@ class GradientReduction:
 
     def __init__(self, strategy: Any, op: str, compression: Any, predivide: float,
                  passes: int, average_aggregated: bool, name: Optional[str]):
-        from mpistrat.horovod import Average
+        from mpistrat.horovod.collectives import Average
         self.strategy, self.op, self.compression = strategy, op, compression
         self.passes, self.average_aggregated = passes, average_aggregated
         self.name = name
@@ -81,7 +81,8 @@ class GradientReduction:
 
     # -- what the ranks agree on ----------------------------------------------------------
     def label(self) -> str:
-        from mpistrat.horovod import Compression, _compression_name, _described
+        from mpistrat.horovod.collectives import _described
+        from mpistrat.horovod.compression import Compression, _compression_name
         return _described(f"hvd.DistributedOptimizer op={self.op}", name=self.name,
                           gradient_predivide_factor=self.predivide if self.predivide != 1.0
                           else None,
@@ -90,7 +91,8 @@ class GradientReduction:
 
     def is_plain(self) -> bool:
         """Horovod's default (``Average``, no compression, no predivide factor, one pass)."""
-        from mpistrat.horovod import Average, Compression
+        from mpistrat.horovod.collectives import Average
+        from mpistrat.horovod.compression import Compression
         return self.op == Average and self.compression is Compression.none and \
             self.predivide == 1.0 and self.passes == 1
 
@@ -104,7 +106,7 @@ class GradientReduction:
     def reduce_host(self, *arrays) -> tuple:
         """Reduce host copies of the gradients by Horovod's rules; each result in its
         gradient's dtype and shape (collective)."""
-        from mpistrat.horovod import Average, _scale
+        from mpistrat.horovod.collectives import Average, _scale
         arrays = [np.asarray(a) for a in arrays]
         wires, contexts = [], []
         for value in arrays:
@@ -177,7 +179,7 @@ class GradientReduction:
 
     def refuse_traced_passes(self, what: str) -> None:
         if self.passes > 1:
-            from mpistrat.horovod import NotSupportedError
+            from mpistrat.horovod.world import NotSupportedError
             raise NotSupportedError(
                 f"hvd.DistributedOptimizer(backward_passes_per_step={self.passes}): {what} is "
                 f"not supported with it (the passes are summed on the host between eager "
@@ -189,7 +191,7 @@ class GradientReduction:
         Horovod's default, which the step reduces weighted by rows with its other sums.
         ``backward_passes_per_step`` other than 1 is refused by name here."""
         if self.passes > 1:
-            from mpistrat.horovod import NotSupportedError
+            from mpistrat.horovod.world import NotSupportedError
             raise NotSupportedError(
                 f"model.fit with hvd.DistributedOptimizer(backward_passes_per_step="
                 f"{self.passes}) is not supported: fit's train step is compiled and applies "

@@ -7,7 +7,7 @@ algorithm, layout, link setting and size) on the calibrated platform, and writes
 ``DIR/validation.md`` (the error table for docs/scaling.md) and
 ``DIR/validation.png``. ``--docs`` also copies the figure to ``docs/img/``.
 
-The targets (issue 21): within 25% for every point above 1 MiB, within 2x below.
+The targets (docs/scaling.md): within 25% for every point above 1 MiB, within 2x below.
 """
 
 import argparse

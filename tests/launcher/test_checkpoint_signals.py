@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import MPIRUN, PRELUDE
+from conftest import MPIRUN, PRELUDE, descendants
 
 SAVING = """
 import os, sys, time, numpy as np, mpistrat as ms
@@ -40,16 +40,7 @@ def _env():
 
 
 def _children(pid):
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    if int(stat.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return found
+    return [child for parent, child in descendants(pid) if parent == pid]
 
 
 def _layout_child(pid):

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import MPIRUN, PRELUDE, ROOT
+from tests.conftest import MPIRUN, PRELUDE, ROOT, descendants
 
 NOBODY = 65534
 HERE = Path(__file__).resolve().parent
@@ -83,17 +83,8 @@ def _attacker(seconds: float) -> subprocess.Popen:
 def _rank_listeners(launcher: int) -> set:
     """Ports on 127.0.0.1 that the job's Python processes (descendants of ``launcher``)
     listen on (the launcher's own are not the target)."""
-    children: dict = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(pid))
-        except (OSError, IndexError, ValueError):
-            continue
-    todo, ranks = [launcher], []
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
+    ranks = []
+    for pid in [launcher] + [child for _, child in descendants(launcher)]:
         try:
             argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
             if os.path.basename(argv[0]).startswith(b"python") and b"job.py" in argv[1]:

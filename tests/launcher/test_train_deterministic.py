@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MPIRUN, ROOT
+from conftest import MPIRUN, ROOT, descendants
 
 JOB = str(ROOT / "jobs" / "train.py")
 FLAGS = ["--epochs", "1", "--global-batch", "64", "--deterministic", "--checkpoint-every", "5"]
@@ -39,16 +39,7 @@ def _digest(ranks, data, ckpt):
 
 
 def _ranks_of(pid):
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                kids = [int(k) for k in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += [(parent, kid) for kid in kids]
-            todo += kids
+    found = descendants(pid)
     jobs = set()
     for _, p in found:   # the ranks themselves (python jobs/train.py ...), not the launchers
         try:

@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import MPIRUN, ROOT
+from conftest import MPIRUN, ROOT, descendants
 
 JOB = str(ROOT / "jobs" / "train.py")
 FLAGS = ["--epochs", "2", "--global-batch", "64"]
@@ -102,21 +102,6 @@ def test_same_global_batch_gives_the_same_model_at_any_rank_count(data, referenc
                                    err_msg=f"{name} at {ranks} ranks vs 2 ranks")
 
 
-def _children(pid: int):
-    """Every descendant process of ``pid`` (the ranks under mpirun)."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for task in Path(f"/proc/{parent}/task").glob("*"):
-            try:
-                kids = [int(k) for k in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += kids
-            todo += kids
-    return found
-
-
 def test_sigkill_mid_epoch_then_restart_ends_with_the_same_model(data, reference, tmp_path):
     job = subprocess.Popen(_command(2, data, tmp_path, "--checkpoint-every", "3"), env=_env(),
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -127,7 +112,7 @@ def test_sigkill_mid_epoch_then_restart_ends_with_the_same_model(data, reference
             if state.exists() and "ckpt-2\"" in state.read_text().split("\n")[0]:
                 break
             time.sleep(0.02)
-        ranks = [p for p in _children(job.pid)
+        ranks = [p for _, p in descendants(job.pid)
                  if "train.py" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
         assert ranks, "no rank process found under mpirun"
         os.kill(ranks[-1], signal.SIGKILL)

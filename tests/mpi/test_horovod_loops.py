@@ -31,6 +31,7 @@ keras = pytest.importorskip("keras")
 
 import mpistrat as ms  # noqa: E402
 import mpistrat.horovod as hvd  # noqa: E402
+from mpistrat.horovod.distributed_optimizer import _restore_h5_optimizer  # noqa: E402
 
 pytestmark = [pytest.mark.numpy_only("Keras and NumPy values built here, whatever the kind"),
               pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 3, reason=(
@@ -378,7 +379,7 @@ def test_h5_resume_on_rank_0_trains_on_from_rank_0s_model_and_optimizer(world, s
     model.fit(x[mine(r, n)], y[mine(r, n)], batch_size=BATCH, epochs=1, shuffle=False,
               verbose=0, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
     reference = keras.models.load_model(path)        # Keras's, its .h5 momentums put back
-    hvd._restore_h5_optimizer(reference, path)
+    _restore_h5_optimizer(reference, path)
     alone = reference.optimizer
     assert int(alone.iterations.value) == STEPS
     alone.apply(combine(first), reference.trainable_variables)

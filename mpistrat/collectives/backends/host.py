@@ -128,7 +128,7 @@ class HostMPI(Backend):
     def all_reduce(self, comm, arrays, op, options, deadline, signature=None, out=None):
         """``signature``: the NumPy arrays' ``(dtype, shape)`` pairs, where the engine has
         built them (for validation) already; ``out``: buffers for the results, checked by
-        ``collectives/into.py`` (``fused_all_reduce``)."""
+        ``collectives/out_buffers.py`` (``fused_all_reduce``)."""
         refuse_device_buffers(arrays, self.name)
         opts = options_of(options)
         preference = getattr(opts, "algorithm", "auto")

@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 
-from mpistrat.collectives.into import out_problem, same_buffer
+from mpistrat.collectives.out_buffers import out_problem, same_buffer
 
 
 def test_in_place_distinct_buffers_and_views_of_one_buffer_are_accepted():

@@ -1,7 +1,7 @@
 """Rows read ahead: which indices a plan holds in memory, and where each one is.
 
     >>> import numpy as np
-    >>> from mpistrat.data.held import Held, sorted_unique
+    >>> from mpistrat.data.held_rows import Held, sorted_unique
     >>> held = Held(sorted_unique([9, 2, 5, 2]), universe=10)
     >>> held.find(np.array([5, 9])).tolist(), held.find(np.array([3]))
     ([1, 2], None)

@@ -14,7 +14,7 @@ of the call but its own input. Every rank must pass the same kind of ``out``
 ``out_problem`` says what is wrong, or None::
 
     >>> import numpy as np
-    >>> from mpistrat.collectives.into import out_problem
+    >>> from mpistrat.collectives.out_buffers import out_problem
     >>> x = [np.ones(3), np.ones(2)]
     >>> out_problem(x, x) is None, out_problem(x, [x[0], np.ones(3)])
     (True, 'out[1] has shape (3,) and dtype float64; its input has shape (2,) and dtype float64')

@@ -31,7 +31,11 @@ train step:
   momentum correction;
 * ``rebuild_optimizer`` / ``h5_optimizer_weights``: an optimizer Keras's legacy ``.h5``
   loader built on no variables, built on the model's, and the optimizer weights such a file
-  holds (``keras.src.legacy.saving``), for ``hvd.load_model``.
+  holds (``keras.src.legacy.saving``), for ``hvd.load_model``;
+* ``in_stateless_scope`` / ``set_initial_value``: whether Keras runs in a ``StatelessScope``
+  (a layer built inside a symbolic run of its caller, where assignments are dropped), and a
+  variable made there, not initialized yet, given a restored value as its initial value
+  (``_value``, ``_initializer``), for checkpoint restores into layers built later.
 
 Tested against Keras 3.15.1 (the newest; ``pyproject.toml`` allows 3.10 and later)::
 
@@ -45,7 +49,8 @@ from typing import Any, Callable, Iterator
 
 __all__ = ["update_metrics", "replica_losses", "each_epoch", "own_state", "optimizer_state",
            "initial_epoch", "set_initial_epoch", "reload_state", "momentum_slots",
-           "rebuild_optimizer", "h5_optimizer_weights", "in_stateless_scope", "TESTED"]
+           "rebuild_optimizer", "h5_optimizer_weights", "in_stateless_scope",
+           "set_initial_value", "TESTED"]
 
 TESTED = "3.15.1"   # the Keras versions whose private names below were checked
 
@@ -230,3 +235,16 @@ def in_stateless_scope() -> bool:
     except ImportError:
         raise _missing("keras.src.backend.common.stateless_scope.in_stateless_scope") from None
     return bool(probe())
+
+
+def set_initial_value(variable: Any, value) -> bool:
+    """Give ``value`` to a Keras variable made inside a ``StatelessScope`` and not initialized
+    yet (``_value`` is ``None``; Keras initializes it from ``_initializer`` when the scope
+    ends), as its initial value; ``False`` (nothing done) for any other variable."""
+    if getattr(variable, "_value", 0) is not None or \
+            not callable(getattr(variable, "_initializer", None)):
+        return False
+    import numpy as np
+    array = np.array(value)
+    variable._initializer = lambda shape, dtype=None: array
+    return True

@@ -46,10 +46,12 @@ from mpi4py import MPI
 from mpistrat.checkpoint import writer
 from mpistrat.checkpoint.directory import (io_engine, latest_checkpoint, prepare_directory,
                                            record_latest, restore_target)
-from mpistrat.checkpoint.frameworks import install_build_hook
+from mpistrat.checkpoint.frameworks import install_build_hook, whole_objects
 from mpistrat.checkpoint.files import data_file, local_view, missing_hint
-from mpistrat.checkpoint.graph import Slot, check_segment, collect_slots, required_paths
+from mpistrat.checkpoint.graph import (Slot, check_segment, collect_slots, in_symbolic_build,
+                                       initial_values_only, required_paths, root_children)
 from mpistrat.checkpoint.keras_names import KerasNames
+from mpistrat.checkpoint.tf_structure import match_converted
 from mpistrat.checkpoint.status import (CheckpointLoadStatus, InitializationOnlyStatus,
                                         refuse_no_match)
 from mpistrat.checkpoint.pytrees import as_saved, saved_kind
@@ -81,11 +83,13 @@ class CheckpointOptions:
         return self.enable_async or self.experimental_enable_async_checkpoint
 
 
-def _found(slots, catalog, source: str) -> Dict[str, str]:
+def _found(slots, catalog, source: str, named=None, root=None) -> Dict[str, str]:
     """Our path -> the file's path of the value it restores from: the same path, or for
-    a file converted from TensorFlow, a Keras 3 variable's by TensorFlow's name of it."""
-    found = {path: path for path in set(slots) & set(catalog)}
+    a file converted from TensorFlow, TensorFlow's structural rule on its paths first
+    (``tf_structure.match_converted``), then a Keras 3 variable's by TensorFlow's name."""
     names = {p: e.tf_full_name for p, e in catalog.items() if e.tf_full_name}
+    found = match_converted(catalog, slots, named, root) if names and named is not None \
+        else {path: path for path in set(slots) & set(catalog)}
     if names and len(found) < len(slots):
         found = KerasNames(names, lambda p: catalog[p].shape, source).match(slots, found)
     return found
@@ -117,12 +121,8 @@ class Checkpoint:
 
     def _named(self) -> Dict[str, Any]:
         named = {}
-        if self._root is not None:
-            root = self._root
-            children = root if isinstance(root, dict) else (
-                root._checkpoint_children() if hasattr(root, "_checkpoint_children")
-                else {k: v for k, v in vars(root).items() if not k.startswith("_")})
-            named.update(children)
+        if self._root is not None:   # (a Keras model as root: its weights, not its flags)
+            named.update(root_children(self._root))
         named.update(self._children)
         named["save_counter"] = self.save_counter
         return named
@@ -237,9 +237,10 @@ class Checkpoint:
             raise NotFoundError(f"no checkpoint at {path} (looked for {final}){missing_hint(path)}")
         catalog = read_catalog(final, engine)
         slots = collect_slots(self._named(), self._assign)
-        found = _found(slots, catalog, final)       # our path -> the file's path
+        found = _found(slots, catalog, final, self._named(), self._root)  # ours -> the file's
         wanted = {name: catalog[found[name]] for name in sorted(found)}
-        agree_plan(engine, slots, wanted, final)   # every rank raises, or none
+        agree_plan(engine, slots, wanted, final,   # every rank raises, or none
+                   whole_objects(self._named(), slots, catalog, _check_compatible))
         matched = set()
         with timeline.span("checkpoint restore", "checkpoint", file=os.path.basename(final),
                            nbytes=sum(e.nbytes for e in wanted.values())), \
@@ -318,10 +319,12 @@ class Checkpoint:
         if hasattr(self._pending, "apply"):  # values of a TensorFlow checkpoint
             return self._pending.apply(self, named, _check_compatible)
         slots = collect_slots(named, self._assign)
-        found = _found(slots, self._pending, "the restored checkpoint")  # (by name too)
+        found = _found(slots, self._pending, "the restored checkpoint", named, self._root)
+        if in_symbolic_build():   # a layer built in a symbolic run: Keras drops assignments
+            slots, found = initial_values_only(slots, found)   # (initial values only)
+        check = whole_objects(named, slots, self._pending, _check_compatible)  # NNX: whole
         for path, target in sorted(found.items()):
-            _check_compatible(slots[path], self._pending[target], path,
-                              self._pending[target].source)
+            check(slots[path], self._pending[target], path, self._pending[target].source)
         entries = {p: self._pending[t] for p, t in found.items()}
         values = {p: read_entry(e) for p, e in entries.items()}
         matched = self._apply(slots, values, "the restored checkpoint", entries)

@@ -56,6 +56,7 @@ import collections.abc
 import enum
 import functools
 import re
+import sys
 import types
 import unicodedata
 from dataclasses import dataclass, field
@@ -67,7 +68,8 @@ from mpistrat.checkpoint import frameworks, pytrees
 from mpistrat.distribute.variables import Variable
 
 __all__ = ["Slot", "SlotMap", "collect_slots", "required_paths", "check_segment",
-           "check_path"]
+           "check_path", "leaf_slot", "root_children", "in_symbolic_build",
+           "initial_values_only"]
 
 _SEGMENT = re.compile(r"[A-Za-z0-9_.\-]+")
 _NUMBERS = (bool, int, float, np.number, np.bool_)
@@ -317,6 +319,66 @@ def _leaf_slot(obj: Any, path: str, setter) -> Optional[Slot]:
         read, write, shape, dtype = parts
         return Slot(path, "variable", read, write, obj, shape, dtype)
     return None
+
+
+def leaf_slot(obj: Any, path: str) -> Optional[Slot]:
+    """The slot of a variable or array found outside the walk (a TensorFlow restore binds
+    objects by attribute), else ``None``; immutable values get no way to write back."""
+    return _leaf_slot(obj, path, None)
+
+
+def root_children(root: Any) -> Dict[str, Any]:
+    """The top-level objects of a checkpoint whose root object is ``root``
+    (``Checkpoint(model)``): a dict's items, a nested checkpoint's children, a Keras object's
+    variables and sublayers (as under any other path), else public attributes.
+
+        >>> import numpy as np
+        >>> class Net: pass
+        >>> net = Net(); net.w = np.zeros(2); net._cache = np.ones(2)
+        >>> sorted(root_children(net))
+        ['w']
+    """
+    if isinstance(root, dict):
+        return dict(root)
+    if hasattr(root, "_checkpoint_children"):
+        return dict(root._checkpoint_children())
+    keras = type(root).__module__.startswith("keras")   # (in place; NNX roots as before)
+    found = frameworks.object_children(root) if keras else None
+    if found is None:
+        return {k: v for k, v in vars(root).items() if not k.startswith("_")}
+    children: Dict[str, Any] = {}
+    for name, child, _ in found[0]:        # ('momentums/0', v): nested as {'momentums': {...}}
+        *parents, last = name.split("/")
+        holder = children
+        for part in parents:
+            holder = holder.setdefault(part, {})
+        holder[last] = child
+    return children
+
+
+def in_symbolic_build() -> bool:
+    """Whether Keras is imported and runs inside a ``StatelessScope`` now."""
+    if "keras" not in sys.modules:
+        return False
+    from mpistrat.keras_adapter import in_stateless_scope
+    return in_stateless_scope()
+
+
+def initial_values_only(slots, found: Dict[str, str]):
+    """``(slots, found)`` for values applied while Keras builds a layer inside a symbolic run
+    of its caller (a ``StatelessScope``: Keras drops what is assigned there). Only a Keras
+    variable made in that run and not initialized yet can take a value, as its initial value
+    (``keras_adapter.set_initial_value``); every other value waits for a later build."""
+    from mpistrat.keras_adapter import set_initial_value
+    kept: Dict[str, Slot] = {}
+    for path in found:
+        slot = slots[path]
+        if slot.kind == "variable" and type(slot.owner).__module__.startswith("keras") and \
+                getattr(slot.owner, "_value", 0) is None:
+            kept[path] = Slot(path, slot.kind, slot.read,
+                              lambda v, o=slot.owner: set_initial_value(o, v), slot.owner,
+                              slot.shape, slot.dtype)
+    return kept, {p: t for p, t in found.items() if p in kept}
 
 
 def _check_distinct_keys(obj, path: str) -> None:

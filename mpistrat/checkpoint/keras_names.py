@@ -1,14 +1,18 @@
-"""Checkpoint values found by the Keras 3 path of the variable they belong to.
+"""Checkpoint values found by the Keras 3 path of the variable they belong to, in a file
+converted from TensorFlow (``python -m mpistrat convert``), which keeps each value's
+TensorFlow name; for the values TensorFlow's structural rule on the file's paths
+(``tf_structure.match_converted``) leaves unmatched.
 
-TensorFlow's Keras checkpoints reach a variable through TensorFlow's object graph
+A TensorFlow file itself is matched by its object graph's structure, as TensorFlow matches
+it (``tf_structure``). A converted file holds each value at TensorFlow's first path
 (``model/_functional/_operations/2/moving_mean``), which our walk of a Keras 3 model does not
-spell; but TensorFlow records each variable's own name (``full_name``:
+spell; but it keeps each variable's own TensorFlow name (``full_name``:
 ``sequential/batch_normalization/moving_mean``), which is the Keras 3 variable's ``path``.
 ``KerasNames`` matches our Keras variables that found no value by path to the value of that
 name; an optimizer variable also by its last name alone (TensorFlow prefixes a
 LossScaleOptimizer's slots with scopes Keras 3 on JAX does not write), when that name is
-unique on both sides and the shapes agree. The same table serves a TensorFlow checkpoint
-and one converted from it (``python -m mpistrat convert`` keeps the names)::
+unique on both sides and the shapes agree. Names are automatic: where they look shifted, it
+warns::
 
     >>> names = KerasNames({"model/_functional/_operations/1/_kernel": "seq/dense/kernel"},
     ...                    lambda path: (4, 3), "ckpt-1")
@@ -43,7 +47,8 @@ class KerasNames:
 
     def match(self, slots, found: Dict[str, str]) -> Dict[str, str]:
         """``found`` (our path -> the file's path) with our Keras variables it lacks added
-        by their names; warns when automatic layer names look shifted."""
+        by their names (never a value ``found`` gives another); warns when automatic layer
+        names look shifted."""
         found = dict(found)
         our_leaves: Dict[str, int] = {}
         for slot in slots.values():
@@ -51,6 +56,7 @@ class KerasNames:
                 leaf = str(getattr(slot.owner, "path", "")).rsplit("/", 1)[-1]
                 our_leaves[leaf] = our_leaves.get(leaf, 0) + 1
         by_name = False
+        taken = set(found.values())   # (a value the structure gave to another object)
         for path, slot in slots.items():
             owner = slot.owner
             if path in found or not _is_keras(owner):
@@ -62,8 +68,9 @@ class KerasNames:
                     tuple(self.shape_of(self.by_leaf[leaf])) == \
                     tuple(getattr(owner, "shape", ())):
                 target = self.by_leaf[leaf]     # (a slot's name holds its variable's)
-            if target is not None:
+            if target is not None and target not in taken:
                 found[path], by_name = target, True
+                taken.add(target)
         if by_name:
             self._warn_shifted_names(slots, found)
         return found

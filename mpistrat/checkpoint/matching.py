@@ -25,6 +25,7 @@ import numpy as np
 from mpistrat.checkpoint.graph import Slot
 from mpistrat.collectives.agreement import Failure, agree_errors, rank_list, views_differ
 from mpistrat.collectives.objects import allgather_object
+from mpistrat.errors import InvalidArgumentError
 
 __all__ = ["check_compatible", "fit_to_slot", "read_batches", "agree_plan"]
 
@@ -77,18 +78,21 @@ def _integers_fit(value, dtype: np.dtype, path: str, source: str) -> bool:
     on JAX keeps ``iterations`` as int32, TensorFlow writes int64; a seed state int64 here,
     uint32 there): an integer value restores into an integer object of another width or
     signedness when every value fits (a catalog entry, not read yet, is let through to be
-    checked when read); one that does not fit is a ``ValueError`` naming the path. Floats
-    never change kind."""
+    checked when read); one that does not fit is an ``InvalidArgumentError`` (a
+    ``ValueError``) naming the path, never a wrapped value. Floats never change kind."""
     if np.dtype(value.dtype).kind not in "iu" or dtype.kind not in "iu":
         return False
     if not isinstance(value, np.ndarray) or value.size == 0:
         return True
     info = np.iinfo(dtype)
     low, high = int(value.min()), int(value.max())
-    if low < info.min or high > info.max:
-        raise ValueError(f"cannot restore {path!r} from {source}: the checkpoint holds "
-                         f"{value.dtype} values from {low} to {high}, which do not fit the "
-                         f"object's {dtype}")
+    if low < info.min or high > info.max:   # (never wrapped: a step count past 2**31 - 1)
+        raise InvalidArgumentError(
+            f"cannot restore {path!r} from {source}: the checkpoint holds {value.dtype} values "
+            f"from {low} to {high}, which do not fit the object's {dtype}"
+            + (" (Keras 3 on JAX makes an optimizer's iterations int32 where TensorFlow's are "
+               "int64, so such a count cannot be held here: restore the model without that "
+               "optimizer)" if dtype == np.int32 else ""))
     return True
 
 

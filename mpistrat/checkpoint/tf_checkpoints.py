@@ -18,9 +18,11 @@
 
 ``Checkpoint.restore(tf_prefix)`` calls :func:`restore_tensorflow` (collective): every rank
 validates the index and the ranks agree on it; our objects are matched to TensorFlow's
-through its object graph (``tfformats.object_graph``: child names from the root, so
-``model/dense/kernel`` restores ours at the same path; a Keras variable also by its
-``path``, which TensorFlow records as the value's ``full_name``); then each value is read
+as TensorFlow matches them, through its object graph (``tf_structure``: child names from
+the root, bound to what our objects hold under those names, so ``model/dense/kernel``
+restores ``model.dense.kernel`` and a Keras model rebuilt on JAX gets its values by Keras's
+own attributes, whatever its automatic layer names), then by our object paths for what the
+graph does not reach (numbers, a file written from our paths); then each value is read
 by one rank only (values dealt to ranks by size; MPI-IO reads of exactly its bytes),
 broadcast, and checked (CRC-32C) by every rank, so a corrupt value raises the same
 ``DataLossError`` everywhere. Values for objects attached later are read when they are.
@@ -29,14 +31,17 @@ broadcast, and checked (CRC-32C) by every rank, so a corrupt value raises the sa
 import bisect
 import hashlib
 import os
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
 from mpistrat.checkpoint.files import state_name
-from mpistrat.checkpoint.graph import collect_slots, required_paths
-from mpistrat.checkpoint.keras_names import KerasNames
+from mpistrat.checkpoint.graph import (collect_slots, in_symbolic_build, initial_values_only,
+                                       leaf_slot, required_paths)
+from mpistrat.checkpoint.tf_structure import (bind, hook_unbuilt, refuse_saved_model,
+                                              structural_matches)
 from mpistrat.checkpoint.matching import agree_plan
 from mpistrat.checkpoint.state_file import read_state
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
@@ -222,24 +227,37 @@ class TensorFlowValues:
             # leave out empty tensors) are not in the checkpoint
             self.by_path, self.collisions = _paths_of(graph, index)
         self.unmatched = set(self.by_path)
-        full_names = {v.path: v.full_name for v in (graph.values if graph is not None else ())
-                      if v.full_name and v.path in self.by_path}
-        self.names = KerasNames(full_names, lambda p: self.entry(p).shape, self.source)
 
-    def match(self, slots) -> Dict[str, str]:
-        """Our slot path -> the checkpoint path it restores from: through the graph (or
-        the keys, without one), then Keras 3 variables by their names (``KerasNames``)."""
+    def match(self, slots, named: Optional[Dict[str, Any]] = None, root: Any = None
+              ) -> Dict[str, str]:
+        """Our slot path -> the checkpoint path it restores from. First TensorFlow's own rule
+        (``tf_structure``: our objects bound to the graph by attribute structure from
+        ``named``, the checkpoint's children, and ``root``); then, for what that did not
+        reach (numbers, a graph written from our paths, a file without a graph), the value
+        at our object's path, unless the structure gave it to another object. Variables
+        bound outside our walk get slots, added to ``slots``."""
         found: Dict[str, str] = {}
+        if self.graph is not None and named is not None:
+            bound = bind(self.graph, named, root)
+            found, extra, notes = structural_matches(self.graph, bound, slots,
+                                                     set(self.by_path), leaf_slot)
+            slots.update(extra)
+            if notes:
+                warnings.warn(f"restoring {self.source}: the structure is ambiguous: "
+                              + "; ".join(notes[:5]), RuntimeWarning, stacklevel=4)
+        claimed = set(found.values())
         for path in slots:
+            if path in found:
+                continue
             if self.graph is None:
                 target = path if path in self.by_path else None
             else:
                 value = self.graph.find(path)
                 target = value.path if value is not None and value.path in self.by_path \
                     else path if path in self.by_path else None   # (_paths_of's suffixes)
-            if target is not None:
+            if target is not None and target not in claimed:
                 found[path] = target
-        return self.names.match(slots, found)
+        return found
 
     def entry(self, checkpoint_path: str) -> BundleEntry:
         return self.index.entries[self.by_path[checkpoint_path]]
@@ -251,7 +269,10 @@ class TensorFlowValues:
     def apply(self, checkpoint, named, check) -> None:
         """Restore values for objects attached after the restore (this rank alone)."""
         slots = collect_slots(named, checkpoint._assign)
-        found = {p: t for p, t in self.match(slots).items() if t in self.unmatched}
+        found = {p: t for p, t in self.match(slots, named, checkpoint._root).items()
+                 if t in self.unmatched}
+        if in_symbolic_build():   # a layer built in a symbolic run: Keras drops assignments
+            slots, found = initial_values_only(slots, found)   # (initial values only)
         for path, target in sorted(found.items()):
             check(slots[path], self.entry(target), path, self.source)
         values = {p: read_value(self.entry(t)) for p, t in found.items()}
@@ -261,6 +282,7 @@ class TensorFlowValues:
         if status is not None:
             status.matched |= matched
             status.unmatched_values -= {found[p] for p in matched}
+        hook_unbuilt(checkpoint, self.graph, named)
 
 
 def graph_entry(index: BundleIndex) -> Optional[BundleEntry]:
@@ -334,8 +356,9 @@ def restore_tensorflow(checkpoint, prefix: str, engine, check):
     Returns ``(matched paths, TensorFlowValues (what is left for later), missing paths)``.
     """
     values = open_values(prefix, engine)
-    slots = collect_slots(checkpoint._named(), checkpoint._assign)
-    found = values.match(slots)
+    named = checkpoint._named()
+    slots = collect_slots(named, checkpoint._assign)
+    found = values.match(slots, named, checkpoint._root)
     wanted = {p: values.entry(t) for p, t in found.items()}
 
     def checked(slot, entry, path, source):   # (two keys that became one path: ambiguous)
@@ -346,12 +369,14 @@ def restore_tensorflow(checkpoint, prefix: str, engine, check):
         check(slot, entry, path, source)
 
     agree_plan(engine, slots, wanted, prefix, checked)   # every rank raises, or none
+    refuse_saved_model(values, found, prefix)            # (the same plan on every rank)
     matched = set()
     with timeline.span("checkpoint restore", "checkpoint", file=os.path.basename(prefix),
                        nbytes=sum(e.size for e in wanted.values())):
         for batch in read_collective(wanted, engine):
             matched |= checkpoint._apply(slots, batch, prefix)  # applied as read
     values.unmatched -= {found[p] for p in matched}
+    hook_unbuilt(checkpoint, values.graph, named)   # (values for layers built later)
     missing = required_paths(slots) - set(found)
     if "save_counter" not in values.by_path:  # TensorFlow makes it on the first save()
         missing.discard("save_counter")

@@ -21,7 +21,8 @@ from typing import Any, Iterator, List, Optional, Sequence, Type
 import numpy as np
 
 from mpistrat.collectives.objects import allgather_object
-from mpistrat.errors import DataLossError, NotFoundError
+from mpistrat import errors
+from mpistrat.errors import NotFoundError
 
 __all__ = ["Failure", "agreed", "agree_errors", "agree_view", "describe_views", "rank_list",
            "views_differ"]
@@ -62,16 +63,17 @@ def describe_views(views: Sequence[Any]) -> str:
     return "; ".join(f"{rank_list(r)}: {v}" for v, r in groups.items())
 
 
-_CLASSES = {"DataLossError": DataLossError, "NotFoundError": NotFoundError,
-            "ValueError": ValueError}
+_CLASSES = {name: getattr(errors, name) for name in errors.__all__
+            if isinstance(getattr(errors, name), type)}   # ms.errors keep their class
+_CLASSES["ValueError"] = ValueError
 
 
 def agree_errors(engine: "CollectiveEngine", failure: Optional[Failure], what: str,
                  hint: str = "") -> None:
     """Raise the same error on every rank if any rank failed (collective).
 
-    The class follows the first failure: ``DataLossError``, ``NotFoundError``
-    and ``ValueError`` as they are; an error with an errno becomes an
+    The class follows the first failure: the ``ms.errors`` classes (``DataLossError``,
+    ``InvalidArgumentError``, ...) and ``ValueError`` as they are; an error with an errno becomes an
     ``OSError`` keeping it (``err.errno == errno.ENOSPC`` for a full disk);
     other builtin errors keep their class; anything else is a ``RuntimeError``.
     """

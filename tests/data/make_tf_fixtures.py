@@ -29,6 +29,8 @@ It writes, each beside a JSON of what TensorFlow itself reported when reading th
   variable-length lists; the JSON holds what ``parse_single_sequence_example`` and
   ``parse_sequence_example`` (and ``parse_example`` with ``FixedLenSequenceFeature``) gave for
   several feature specs, or the error they raised.
+* ``export_cnn/``, ``mixed_dense/``, ``big_step/`` and TensorFlow's restores into rebuilt
+  Keras models (``keras_square/shifted``, ``guide/restored``): see make_tf_keras_fixtures.py.
 * ``values.json``: per checkpoint, every tensor key with dtype, shape and the bytes TensorFlow
   returned (hex; strings as hex each); per record file, every record's bytes and the values
   ``tf.io.parse_single_example`` gave.
@@ -44,6 +46,8 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+import make_tf_keras_fixtures  # noqa: E402  (beside this file)
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tf")
 
@@ -431,6 +435,7 @@ FIXTURES = {"module": module_checkpoints, "keras": keras_checkpoint, "slots": sl
             "records": record_files, "guide": guide_checkpoint, "sliced": sliced_checkpoints,
             "keras_square": keras_square_checkpoint, "mixed": mixed_checkpoint,
             "sequence": sequence_files}
+FIXTURES.update(make_tf_keras_fixtures.FIXTURES)   # TensorFlow's own restores of Keras files
 
 
 def main() -> int:

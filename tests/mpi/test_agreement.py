@@ -45,3 +45,11 @@ def test_failures_on_several_ranks_are_all_named_and_the_first_gives_the_class(e
     for rank in range(engine.size):
         assert f"rank {rank}: " in text
     assert (engine.all_reduce(np.ones(1), "SUM") == engine.size).all()   # still in step
+
+
+def test_an_ms_error_keeps_its_class_on_every_rank(engine):
+    from mpistrat.errors import InvalidArgumentError
+    with pytest.raises(InvalidArgumentError, match="rank 0: restoring the step: Invalid"):
+        with engine.agreed("restoring", doing="restoring the step"):
+            if engine.rank == 0:
+                raise InvalidArgumentError("the step 2**40 does not fit int32")

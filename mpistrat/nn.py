@@ -23,6 +23,7 @@ Inputs may be NumPy, CuPy or JAX arrays (JAX tracers too, inside
 ``jax.grad`` or ``jax.jit``); results are of the same kind and dtype.
 """
 
+import functools
 from typing import Any, Optional
 
 import numpy as np
@@ -149,8 +150,38 @@ def scale_regularization_loss(regularization_loss: Any):
 
 
 # -- gradient aggregation for optax ------------------------------------------------------------
+def _per_device_axes(what: str) -> tuple:
+    """The mesh axes over which a traced call runs once per device (inside ``shard_map`` or
+    ``pmap``: all of the mesh's axes are manual), or ``()`` inside a plain ``jax.jit``, where
+    the callback runs once; a ``ValueError`` where a host callback cannot run as the ranks'
+    one collective."""
+    import jax
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = tuple(getattr(mesh, "manual_axes", ()))
+    if not manual:
+        return ()
+    if len(manual) != len(mesh.axis_names):
+        raise InvalidArgumentError(
+            f"{what} inside shard_map over the axes {list(manual)} of a mesh with the axes "
+            f"{list(mesh.axis_names)}: JAX runs host callbacks only where every mesh axis is "
+            f"manual; give shard_map all of the mesh's axes (axis_names=), or call {what} "
+            f"outside shard_map, in the jitted function")
+    if jax.process_count() > 1:
+        raise InvalidArgumentError(
+            f"{what} inside shard_map or pmap with jax.distributed initialized "
+            f"({jax.process_count()} JAX processes): a mesh spanning processes reduces with "
+            f"jax.lax.psum/pmean over its axes; {what} reduces over the ranks of "
+            f"process-local meshes")
+    return manual
+
+
 class _Aggregation:
-    """The collective of ``aggregate_gradients``: eager, or through a host callback when traced."""
+    """The collective of ``aggregate_gradients``: eager, or through a host callback when traced.
+
+    Traced, the callback runs once per call of the jitted function (its values gathered to
+    one device), or inside ``shard_map``/``pmap`` once per device: then the devices' calls
+    are joined into one collective (``host_callbacks.gathered``), device ``i``'s values
+    reduced with device ``i``'s of every other rank."""
 
     def __init__(self, strategy, reduce_op, options):
         self.engine = strategy.extended.engine
@@ -164,16 +195,50 @@ class _Aggregation:
             out = self.engine.all_reduce(arrays, self.op, self.options)
         return tuple(np.asarray(r, dtype=a.dtype).reshape(a.shape) for r, a in zip(out, arrays))
 
-    def __call__(self, updates):
+    def each_device(self, count: int, position, *leaves):
+        """Device ``position``'s part of one all-reduce of all ``count`` devices' leaves."""
+        timeout = self.engine.options.merge(self.options).timeout_seconds
+        return tuple(host_callbacks.gathered(count, int(position),
+                                             [np.asarray(leaf) for leaf in leaves],
+                                             lambda parts: self._devices(count, parts), timeout))
+
+    def _devices(self, count: int, parts):
+        flat = [array for part in parts for array in part]
+        with host_callbacks.running():   # (ranks with other device counts differ by name)
+            out = self.engine.all_reduce(flat, self.op, self.options,
+                                         label=f"ms.nn, {count} devices per rank")
+        out = [np.asarray(r, dtype=a.dtype).reshape(a.shape) for r, a in zip(out, flat)]
+        width = len(parts[0])
+        return [out[i * width:(i + 1) * width] for i in range(count)]
+
+    def traced(self, leaves, what: str):
+        """The reduced leaves, through an ordered host callback of the traced program."""
+        import jax
+        from jax.experimental import io_callback
+        axes = _per_device_axes(what)
+        host_callbacks.traced()   # the program's own collectives now wait for these
+        shapes = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves)
+        try:
+            if not axes:
+                return io_callback(self.host, shapes, *leaves, ordered=True)
+            count = int(np.prod([jax.sharding.get_abstract_mesh().shape[a] for a in axes]))
+            return io_callback(functools.partial(self.each_device, count), shapes,
+                               jax.lax.axis_index(axes), *leaves, ordered=True)
+        except ValueError as err:
+            if "vmap" not in str(err):
+                raise
+            raise InvalidArgumentError(
+                f"{what} inside jax.vmap: its collective runs once per call, not per mapped "
+                f"element; call it outside the vmap, on the stacked values (the all-reduce is "
+                f"element-wise, so the numbers are the same)") from err
+
+    def __call__(self, updates, what: str = "all_reduce_gradients"):
         import jax
         leaves, treedef = jax.tree_util.tree_flatten(updates)
         if not leaves:
             return updates
         if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):  # inside jit or grad
-            from jax.experimental import io_callback
-            host_callbacks.traced()   # the program's own collectives now wait for these
-            shapes = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves)
-            reduced = io_callback(self.host, shapes, *leaves, ordered=True)
+            reduced = self.traced(leaves, what)
         else:
             reduced = [jax.numpy.asarray(r) if array_kind(x) == "jax" else r
                        for r, x in zip(self.host(*leaves), leaves)]
@@ -207,6 +272,16 @@ def all_reduce_gradients(grads: Any, strategy=None, reduce_op="MEAN", options=No
         grads = ms.nn.all_reduce_gradients(grads, strategy, "SUM")   # inside the jitted step
 
     ``reduce_op``, ``options`` and ``strategy`` as for ``aggregate_gradients``.
+    Inside ``jax.jit`` the whole gradient is reduced once per call, however its
+    arrays are sharded over this process's devices. Inside ``shard_map`` (every
+    mesh axis manual) or ``pmap`` each device's gradients are reduced with the
+    same device's of every other rank, in one collective per call::
+
+        def body(grads):                    # shard_map(body, mesh=mesh, ...)
+            return ms.nn.all_reduce_gradients(jax.lax.pmean(grads, "d"), strategy)
+
+    Inside ``jax.vmap``, or a ``shard_map`` leaving mesh axes automatic, it raises
+    ``InvalidArgumentError`` (a ``ValueError``) saying where to call it instead.
     """
     strategy, op = _checked(strategy, reduce_op, "all_reduce_gradients")
     return _Aggregation(strategy, op, options)(grads)
@@ -249,6 +324,6 @@ def aggregate_gradients(strategy=None, reduce_op="MEAN", options=None):
 
     def update(updates, state, params=None):
         del params
-        return aggregate(updates), state
+        return aggregate(updates, "aggregate_gradients"), state
 
     return optax.GradientTransformation(init, update)

@@ -19,6 +19,12 @@ depend on the automatic names a process happens to give (``dense_3``):
   device and sharding it held; ``nnx.State`` is a mapping of such variables.
 - **Equinox** modules are JAX pytrees: ``graph.py`` walks their fields and rebuilds them.
 
+An NNX module or optimizer restores whole or not at all (``whole_objects``): where the
+checkpoint holds values under its path, they must be the object's own values, path for
+path and shape for shape. Another optimizer (adam's ``mu``/``nu`` against SGD's momentum
+``trace``, or a Lion state that shares adam's ``mu``) or another model width or depth is a
+``ValueError`` naming the object and what differs on both sides, before anything is read.
+
 A Keras layer or optimizer that is not built yet is reported as *unbuilt*: a restore that
 leaves values pending installs ``install_build_hook`` on it, so its values are restored as
 soon as Keras builds it (at the first call, or the optimizer's first step).
@@ -34,13 +40,14 @@ soon as Keras builds it (at the first call, or the optimizer's first step).
 
 import functools
 import sys
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from mpistrat.checkpoint import pytrees
 
-__all__ = ["variable_parts", "object_children", "is_static", "install_build_hook"]
+__all__ = ["variable_parts", "object_children", "is_static", "install_build_hook",
+           "nnx_roots", "whole_objects"]
 
 Children = List[Tuple[str, Any, Optional[Callable[[Any], None]]]]
 
@@ -193,6 +200,107 @@ def _nnx_set(root: Any, path, value) -> None:
         parent[key] = value
     else:
         setattr(parent, key, value)
+
+
+# -- NNX objects restore whole -------------------------------------------------------------
+def nnx_roots(named: Dict[str, Any]) -> Dict[str, Any]:
+    """Object path -> each outermost Flax NNX module or optimizer among a checkpoint's
+    objects (found at the top, or inside dicts, lists and tuples), named as the graph
+    names it::
+
+        >>> from flax import nnx
+        >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+        >>> list(nnx_roots({"train": [model], "step": 3}))
+        ['train/0']
+    """
+    nnx = _nnx()
+    found: Dict[str, Any] = {}
+
+    def visit(obj: Any, path: str, depth: int) -> None:
+        if isinstance(obj, nnx.Pytree):
+            found.setdefault(path, obj)
+        elif depth < 8 and isinstance(obj, dict):
+            for key, value in obj.items():
+                visit(value, f"{path}/{key}", depth + 1)
+        elif depth < 8 and isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            for index, value in enumerate(obj):
+                visit(value, f"{path}/{index}", depth + 1)
+
+    if nnx is not None:
+        for name, obj in named.items():
+            visit(obj, name, 0)
+    return found
+
+
+def _described(value) -> str:
+    """``float32[4, 8]`` for an array (a slot or a catalog entry), else its kind."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        return getattr(value, "kind", "value")
+    return f"{np.dtype(dtype)}{list(shape)}"
+
+
+def _listed(paths, described, limit: int = 6) -> str:
+    shown = ", ".join(f"{p} {described[p]}" for p in sorted(paths)[:limit])
+    return shown + (f" (and {len(paths) - limit} more)" if len(paths) > limit else "")
+
+
+def _difference(path: str, obj: Any, mine: Dict[str, Any], saved: Dict[str, Any]) -> str:
+    """What differs between an NNX object's values and the checkpoint's under its path."""
+    kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    parts = []
+    if set(saved) - set(mine):
+        parts.append("only in the checkpoint: " + _listed(
+            set(saved) - set(mine), {p: _described(e) for p, e in saved.items()}))
+    if set(mine) - set(saved):
+        parts.append("only in the object: " + _listed(
+            set(mine) - set(saved), {p: _described(s) for p, s in mine.items()}))
+    shapes = sorted(p for p in set(mine) & set(saved)
+                    if getattr(mine[p], "shape", None) is not None
+                    and tuple(mine[p].shape) != tuple(saved[p].shape))
+    if shapes:
+        parts.append("other shapes: " + ", ".join(
+            f"{p} (checkpoint {_described(saved[p])}, object {_described(mine[p])})"
+            for p in shapes[:6]) + (f" (and {len(shapes) - 6} more)" if len(shapes) > 6 else ""))
+    return f"{path!r} ({kind}): " + "; ".join(parts) if parts else ""
+
+
+def whole_objects(named: Dict[str, Any], slots, catalog, check: Callable) -> Callable:
+    """``check(slot, entry, path, source)`` (the per-value check of a restore), first
+    checking once that every NNX module or optimizer of ``named`` that has values in
+    ``catalog`` (the checkpoint's path -> entry) matches them whole: the same value paths
+    under it and the same shapes, else one ``ValueError`` naming each such object and, on
+    both sides, the paths and shapes that differ. An object with no value in the checkpoint
+    is left to the load status (a model-only checkpoint restored beside an optimizer).
+    Called inside the ranks' agreement of a restore, so every rank raises together.
+
+        >>> checked = whole_objects({}, {}, {}, lambda *args: "checked")
+        >>> checked(None, None, "w", "f.h5")
+        'checked'
+    """
+    done = []
+
+    def checked(slot, entry, path: str, source: str):
+        if not done:
+            done.append(True)
+            problems = []
+            for root, obj in sorted(nnx_roots(named).items()):
+                prefix = root + "/"
+                saved = {p[len(prefix):]: e for p, e in catalog.items() if p.startswith(prefix)}
+                mine = {p[len(prefix):]: s for p, s in slots.items() if p.startswith(prefix)}
+                if saved and mine:
+                    problems.append(_difference(root, obj, mine, saved))
+            problems = [p for p in problems if p]
+            if problems:
+                raise ValueError(
+                    f"cannot restore from {source}: Flax NNX objects differ from the ones "
+                    f"saved, {' | '.join(problems)}. Build each as it was saved (the same "
+                    f"model width and depth, the same optax transformation) on every rank; to "
+                    f"restore the model alone, leave the optimizer out of the Checkpoint and "
+                    f"call expect_partial() on the status")
+        return check(slot, entry, path, source)
+
+    return checked
 
 
 # -- restore-on-create ---------------------------------------------------------------------

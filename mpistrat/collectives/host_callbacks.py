@@ -11,7 +11,15 @@ same communicator, different calls, wrong sums or a hang, and no error.
 The rule kept here: a collective started outside a host callback first waits for
 every host callback already dispatched (``jax.effects_barrier``), so each rank
 runs its collectives in program order, the callbacks' included. The wait costs
-nothing until a collective has been traced into a callback (``traced()``)::
+nothing until a collective has been traced into a callback (``traced()``).
+
+Inside ``shard_map`` or ``pmap`` (a program with per-device semantics) JAX runs the
+callback once per device, each on its own thread and at the same time. Those calls
+must not each start a collective: the ranks' calls would meet in whatever order the
+threads reach MPI (other sums, or a mismatch). ``gathered`` joins them instead: the
+devices of one call wait for each other, the last to come runs one collective for all
+of them (device ``i``'s values meet device ``i``'s of every other rank), and each takes
+its own part of the result::
 
     >>> from mpistrat.collectives import host_callbacks
     >>> host_callbacks.settle()          # nothing traced: returns at once
@@ -22,8 +30,12 @@ nothing until a collective has been traced into a callback (``traced()``)::
 
 import contextlib
 import threading
+import time
+from typing import Callable, Dict, List, Optional, Sequence
 
-__all__ = ["TRACED", "traced", "running", "inside", "settle"]
+from mpistrat.errors import DeadlineExceededError
+
+__all__ = ["TRACED", "traced", "running", "inside", "settle", "gathered"]
 
 # Whether a collective was ever traced into a callback. Hot paths test it themselves
 # (`if TRACED[0]: settle()`): one load when nothing was traced, no call.
@@ -60,3 +72,67 @@ def settle() -> None:
     if TRACED[0] and not inside() and threading.current_thread() is threading.main_thread():
         import jax
         jax.effects_barrier()
+
+
+class _Call:
+    """One call of a per-device callback: each device's values, then the shared result."""
+
+    def __init__(self, count: int):
+        self.parts: Dict[int, list] = {}
+        self.result: Optional[list] = None
+        self.error: Optional[BaseException] = None
+        self.done = False
+        self.left = count   # devices yet to take their part
+
+
+_calls = threading.Condition()
+_seen: Dict[tuple, int] = {}     # (devices, position) -> calls made so far
+_open: Dict[tuple, _Call] = {}   # (devices, call number) -> its gathering
+
+
+def gathered(count: int, position: int, values: list,
+             reduce: Callable[[List[list]], Sequence[list]], timeout: Optional[float]) -> list:
+    """Device ``position`` of ``count`` gives ``values`` to this call of a per-device callback
+    and gets back its part of ``reduce(parts)`` (``parts``: every device's values in position
+    order). The last device to come runs ``reduce`` on its thread, once; every device waits
+    for it, at most ``timeout`` seconds for the others to come (``None``: no limit), then
+    as long as ``reduce`` takes (its own deadline). An error of ``reduce`` is raised on every
+    device's thread. Calls are counted per device: JAX runs one device's callbacks in
+    program order, so the n-th call of every device is one call.
+
+        >>> gathered(1, 0, [1.0], lambda parts: parts, None)
+        [1.0]
+    """
+    with _calls:
+        number = _seen.get((count, position), 0)
+        _seen[(count, position)] = number + 1
+        call = _open.setdefault((count, number), _Call(count))
+        call.parts[position] = values
+        last = len(call.parts) == count
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not last and len(call.parts) < count:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                missing = sorted(set(range(count)) - set(call.parts))
+                raise DeadlineExceededError(
+                    f"ms.nn's gradient all-reduce inside shard_map or pmap: devices {missing} "
+                    f"of {count} did not reach call {number + 1} within timeout_seconds="
+                    f"{timeout:g} (does the call sit in a branch that some devices skip?)")
+            _calls.wait(left)
+    if last:
+        try:
+            result, error = list(reduce([call.parts[p] for p in range(count)])), None
+        except BaseException as err:  # noqa: BLE001 - raised on every device's thread below
+            result, error = None, err
+        with _calls:
+            call.result, call.error, call.done = result, error, True
+            _calls.notify_all()
+    with _calls:
+        while not call.done:
+            _calls.wait()
+        call.left -= 1
+        if call.left == 0:
+            del _open[(count, number)]
+    if call.error is not None:
+        raise call.error
+    return call.result[position]

@@ -1,10 +1,12 @@
 """TFRecord benchmark: ms.data.TFRecordDataset against tf.data.TFRecordDataset and a raw read.
 
-Run: scripts/mpirun -n N .venv/bin/python benchmarks/tfrecord.py [--mib 64] [--dir DIR]
-     [--tf-python /work/tfvenv/bin/python]
+Run: scripts/mpirun -n N .venv/bin/python benchmarks/tfrecord.py [--workload floats|image]
+     [--mib 64] [--dir DIR] [--tf-python /work/tfvenv/bin/python]
 
-Rank 0 writes 4 TFRecord files of tf.train.Example records (a 100-float feature, an int64
-label, a 32-byte string: about 560 bytes each; kept between runs) with ms.io. In the same run
+Rank 0 writes 4 TFRecord files of tf.train.Example records with ms.io (kept between runs):
+``floats`` (the default: a 100-float feature, an int64 label, a 32-byte string, about 560
+bytes each, ``--mib`` in all) or ``image`` (100,000 records: a 784-byte image, an int64
+label, 16 floats and a VarLen list of 0-19 floats). In the same run
 it measures, page cache warm, best of 5:
 
 * ``raw``: one process reading every byte of the files (``readinto``), no parsing;
@@ -13,8 +15,7 @@ it measures, page cache warm, best of 5:
 * ``ms``: ``TFRecordDataset(files).batch(B)`` on one process, then
   ``experimental_distribute_dataset`` under DATA and FILE at N ranks (global batch B), with the
   record indexes cached (their first build is timed separately);
-* ``read_parse``: the same with ``.batch(B).map(parse_example)`` (three features: 100 floats,
-  an int64, a string), ours at 1 process and distributed under DATA (each rank parses only
+* ``read_parse``: the same with ``.batch(B).map(parse_example)`` (the workload's features), ours at 1 process and distributed under DATA (each rank parses only
   its rows of a global batch), tf.data's with a plain and an ``AUTOTUNE`` map;
 * ``parse``: ``ms.io.parse_example`` per record of one batch, and in a subprocess without
   protobuf and google-crc32c, and CRC-32C rates.
@@ -47,6 +48,10 @@ import json, os, sys, time
 os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 import tensorflow as tf
 files, batch = json.loads(sys.argv[1]), int(sys.argv[2])
+def feature(kind, shape, dtype):
+    dtype = getattr(tf, dtype)
+    return tf.io.FixedLenFeature(shape, dtype) if kind == "fixed" else tf.io.VarLenFeature(dtype)
+features = {k: feature(*v) for k, v in json.loads(sys.argv[3]).items()}
 def epoch():
     count = 0
     for b in tf.data.TFRecordDataset(files).batch(batch):
@@ -56,9 +61,6 @@ epoch()  # warm: the files in the page cache, the pipeline built once
 times = []
 for _ in range(5):
     start = time.perf_counter(); count = epoch(); times.append(time.perf_counter() - start)
-features = {"x": tf.io.FixedLenFeature([100], tf.float32),
-            "label": tf.io.FixedLenFeature([], tf.int64),
-            "name": tf.io.FixedLenFeature([], tf.string)}
 records = next(iter(tf.data.TFRecordDataset(files).batch(batch)))
 tf.io.parse_example(records, features)
 parse = []
@@ -92,9 +94,8 @@ from mpistrat.tfformats import crc, messages
 assert messages.backend() == "python" and crc.implementation() == "python"
 files, batch = json.loads(sys.argv[1]), int(sys.argv[2])
 records = list(ms.data.TFRecordDataset(files).take(batch // 4))
-features = {"x": ms.io.FixedLenFeature([100], "float32"),
-            "label": ms.io.FixedLenFeature([], "int64"),
-            "name": ms.io.FixedLenFeature([], "string")}
+features = {k: ms.io.FixedLenFeature(shape, dtype) if kind == "fixed" else
+            ms.io.VarLenFeature(dtype) for k, (kind, shape, dtype) in json.loads(sys.argv[3]).items()}
 start = time.perf_counter(); ms.io.parse_example(records, features)
 parse = time.perf_counter() - start
 data = bytes(1 << 20)
@@ -102,24 +103,50 @@ start = time.perf_counter(); crc.crc32c(data); rate = 1 / (time.perf_counter() -
 print(json.dumps({"parse_per_record_us": parse / len(records) * 1e6, "crc_mib_s": rate}))
 """
 
-FEATURES = {"x": ms.io.FixedLenFeature([100], "float32"),
-            "label": ms.io.FixedLenFeature([], "int64"),
-            "name": ms.io.FixedLenFeature([], "string")}
+# Two workloads: "floats" (100 float32, an int64 label, 32 bytes: about 560 bytes a record)
+# and "image" (a 784-byte image, an int64 label, 16 float32 and 0-19 float32 of a VarLen
+# feature: about 970 bytes, 100,000 records in all). Each: (kind, shape, dtype) per feature.
+WORKLOADS = {
+    "floats": {"x": ("fixed", [100], "float32"), "label": ("fixed", [], "int64"),
+               "name": ("fixed", [], "string")},
+    "image": {"image": ("fixed", [], "string"), "label": ("fixed", [], "int64"),
+              "fixed": ("fixed", [16], "float32"), "ragged": ("var", None, "float32")},
+}
+FEATURES = {}   # the workload's, as ms.io features (set in main)
 
 
-def write_files(directory: str, mib: float):
-    paths = [os.path.join(directory, f"mpistrat-tfrecord-{int(mib)}MiB-{k}.tfrecord")
+def ms_features(spec):
+    return {k: ms.io.FixedLenFeature(shape, dtype) if kind == "fixed" else
+            ms.io.VarLenFeature(dtype) for k, (kind, shape, dtype) in spec.items()}
+
+
+def _floats_record(rng, k, i, per_file):
+    return {"x": rng.standard_normal(100).astype(np.float32), "label": [k * per_file + i],
+            "name": [rng.bytes(32)]}
+
+
+def _image_record(rng, k, i, per_file):
+    return {"image": [rng.integers(0, 256, 784, dtype=np.uint8).tobytes()],
+            "label": [int(rng.integers(0, 10))],
+            "fixed": rng.standard_normal(16).astype(np.float32),
+            "ragged": rng.standard_normal(int(rng.integers(0, 20))).astype(np.float32)}
+
+
+def write_files(directory: str, mib: float, workload: str):
+    """4 files of the workload's records (``floats``: ``mib`` MiB; ``image``: 100,000
+    records), written once and kept between runs."""
+    name = f"{int(mib)}MiB" if workload == "floats" else "image-100k"
+    paths = [os.path.join(directory, f"mpistrat-tfrecord-{name}-{k}.tfrecord")
              for k in range(FILES)]
     if all(os.path.exists(p) for p in paths):
         return paths
     rng = np.random.default_rng(0)
-    per_file = int(mib * (1 << 20) / FILES / 560)
+    per_file = int(mib * (1 << 20) / FILES / 560) if workload == "floats" else 100_000 // FILES
+    make = _floats_record if workload == "floats" else _image_record
     for k, path in enumerate(paths):
         with ms.io.TFRecordWriter(path + ".tmp") as writer:
             for i in range(per_file):
-                writer.write(ms.io.serialize_example({
-                    "x": rng.standard_normal(100).astype(np.float32), "label": [k * per_file + i],
-                    "name": [rng.bytes(32)]}))
+                writer.write(ms.io.serialize_example(make(rng, k, i, per_file)))
         os.replace(path + ".tmp", path)
     return paths
 
@@ -176,14 +203,19 @@ def main():
     parser.add_argument("--mib", type=float, default=64)
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="floats")
     parser.add_argument("--tf-python", default=os.environ.get("MPISTRAT_TEST_TF_PYTHON",
                                                               "/work/tfvenv/bin/python"))
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    paths = comm.bcast(write_files(args.dir, args.mib) if rank == 0 else None, root=0)
+    FEATURES.update(ms_features(WORKLOADS[args.workload]))
+    spec = json.dumps(WORKLOADS[args.workload])
+    paths = comm.bcast(write_files(args.dir, args.mib, args.workload) if rank == 0 else None,
+                       root=0)
     total_bytes = sum(os.path.getsize(p) for p in paths)
-    record = {"benchmark": "tfrecord", "ranks": size, "files": FILES, "mib": args.mib,
+    record = {"benchmark": "tfrecord", "workload": args.workload, "ranks": size,
+              "files": FILES, "mib": round(sum(os.path.getsize(p) for p in paths) / 2**20, 1),
               "batch": args.batch, "cache": "warm"}
     if rank == 0:
         for path in paths:  # time the index's first build, then keep it cached
@@ -203,10 +235,10 @@ def main():
         parse = best_of(lambda: ms.io.parse_example(batch, FEATURES))
         record["ms_parse_per_record_us"] = parse / len(batch) * 1e6
         record["ms_python_fallback"] = subprocess_json(sys.executable, FALLBACK_SCRIPT,
-                                                       json.dumps(paths), str(args.batch))
+                                                       json.dumps(paths), str(args.batch), spec)
         if os.path.exists(args.tf_python):
             record["tf_data"] = subprocess_json(args.tf_python, TF_SCRIPT, json.dumps(paths),
-                                                str(args.batch))
+                                                str(args.batch), spec)
     comm.Barrier()
     strategy = ms.MultiWorkerMirroredStrategy()
     runs = [(ms.data.AutoShardPolicy.DATA, False), (ms.data.AutoShardPolicy.FILE, False),

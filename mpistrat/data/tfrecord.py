@@ -77,7 +77,14 @@ class _TFRecordSource(ops.Source):
     name = "a TFRecordDataset"
 
     def __init__(self, reader: "TFRecordFiles"):
-        self.reader, self._gather, self.row_bytes = reader, reader.gather_rows, 1
+        self.reader, self._gather = reader, reader.gather_rows
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes read per record, for the read-ahead window of a distributed dataset
+        (``READ_AHEAD_BYTES`` of records): the mean over the files indexed so far (a
+        distributed dataset indexes them before it plans), 1 before any is."""
+        return self.reader.mean_record_bytes()
 
     @property
     def length(self) -> int:
@@ -124,6 +131,13 @@ class TFRecordFiles(RecordFiles):
         self.views = [view_of(path) for path in self.files]  # agreed by distributed datasets
         Dataset.__init__(self, node=_TFRecordSource(self))
     # -- the index ------------------------------------------------------------------
+    def mean_record_bytes(self) -> int:
+        """The mean bytes of a record (its framing included) over the files indexed so far;
+        1 while none is (or they hold no record)."""
+        known = [o for o in self._offsets if o is not None and len(o) > 1]
+        records = sum(len(o) - 1 for o in known)
+        return max(1, -(-sum(int(o[-1] - o[0]) for o in known) // records)) if records else 1
+
     def offsets(self, file_index: int) -> np.ndarray:
         """Byte offsets of file ``file_index``'s records, then its end (indexed on demand)."""
         if self._offsets[file_index] is None:

@@ -323,3 +323,20 @@ def test_pure_python_fallbacks_read_the_same(tmp_path):
                             capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert int(result.stdout.split()[-1]) > 100
+
+
+def test_a_distributed_read_ahead_window_holds_its_bytes_whatever_the_records_weigh(tmp_path):
+    """The read-ahead window of a distributed TFRecordDataset is READ_AHEAD_BYTES of records:
+    each record's weight is the indexed files' mean (it was 1 byte, so a window was always
+    16,384 steps: every record of a large dataset read into memory at once)."""
+    from mpistrat.data import layouts
+    path = str(tmp_path / "sizes.tfrecord")
+    with ms.io.TFRecordWriter(path) as writer:
+        for size in (10, 20, 30000):
+            writer.write(b"x" * size)
+    dataset = ms.data.TFRecordDataset([path], index_dir=str(tmp_path / "index"))
+    assert dataset._node.row_bytes == 1                     # nothing indexed yet
+    assert dataset.num_rows == 3
+    assert dataset._node.row_bytes == -(-(10 + 20 + 30000 + 3 * 16) // 3)   # framing: 16 each
+    steps = layouts.read_ahead_steps(dataset._node.row_bytes, 256, 1)
+    assert steps * 256 * dataset._node.row_bytes <= layouts.READ_AHEAD_BYTES

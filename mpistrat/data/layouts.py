@@ -124,6 +124,9 @@ class DataLayout:
         endless pipeline (``plan.length`` ``None``) costs per step what a finite one does."""
         if plan.length is not None and start >= plan.length:
             return
+        if self.ranks == 1 and plan.batched:   # each step a whole batch: as plain iteration
+            yield from ops.iterate_plan(plan, start)
+            return
         rows_per_step = max(1, -(-plan.size(start) // self.ranks))
         group = max(1, min(GROUP_STEPS, GROUP_ROWS // rows_per_step))
         window = read_ahead_steps(self.row_bytes, rows_per_step, group)

@@ -95,9 +95,10 @@ def walk(root: Node) -> List[Node]:
     return order
 
 
-def iterate_plan(plan: plans.Plan) -> Iterator[Any]:
-    """The elements of a plan in order, asked for in growing groups (the first comes fast)."""
-    group, position = 1, 0
+def iterate_plan(plan: plans.Plan, start: int = 0) -> Iterator[Any]:
+    """The elements of a plan in order from ``start``, asked for in growing groups (the
+    first comes fast)."""
+    group, position = 1, start
     while plan.length is None or position < plan.length:
         stop = position + group if plan.length is None else min(position + group, plan.length)
         if plan.batched:

@@ -28,7 +28,7 @@ from mpistrat.checkpoint.state_file import STATE_FILE, CheckpointState, read_sta
 from mpistrat.collectives import CollectiveEngine, CommunicationOptions
 from mpistrat.collectives.agreement import agree_view
 from mpistrat.distribute.context import get_strategy, has_strategy
-from mpistrat.distribute.strategy import live_strategies
+from mpistrat.distribute.strategy import newest_timeout
 from mpistrat.errors import DataLossError, NotFoundError
 from mpistrat.runtime import get_world
 from mpistrat.tfformats.bundle import is_bundle
@@ -36,27 +36,36 @@ from mpistrat.tfformats.bundle import is_bundle
 __all__ = ["io_engine", "prepare_directory", "read_kept", "record_latest", "agreed_state",
            "latest_checkpoint", "restore_target"]
 
+_IO_COMM: list = []   # the checkpoints' own communicator, made once
 _IO_ENGINES: Dict[Optional[float], CollectiveEngine] = {}
 
 
 def io_engine() -> CollectiveEngine:
-    """The checkpoint engine, on its own communicator (so async writes never meet training),
-    under the strategy's timeout: ``timeout_seconds`` of the current strategy's
-    ``CommunicationOptions`` (outside every scope, of the newest strategy alive), else
-    ``MPISTRAT_COLLECTIVE_TIMEOUT``. One engine per timeout, each made when first needed
-    (collective: the ranks make their strategies alike)."""
+    """The checkpoint engine, on the checkpoints' own communicator (so async writes never
+    meet training), under the strategy's timeout: ``timeout_seconds`` of the current
+    strategy's ``CommunicationOptions`` (outside every scope, of the newest strategy the job
+    made), else ``MPISTRAT_COLLECTIVE_TIMEOUT``. One engine per timeout, all on the one
+    communicator (made at the first call: collective); a timeout in one makes them all
+    refuse further calls, as one engine does."""
+    if not _IO_COMM:
+        _IO_COMM.append(get_world().new_comm("mpistrat-checkpoint"))
     timeout = strategy_timeout()
-    if timeout not in _IO_ENGINES:
-        _IO_ENGINES[timeout] = CollectiveEngine(get_world().new_comm("mpistrat-checkpoint"),
-                                                CommunicationOptions(timeout_seconds=timeout))
-    return _IO_ENGINES[timeout]
+    engine = _IO_ENGINES.get(timeout)
+    if engine is None:
+        engine = _IO_ENGINES[timeout] = CollectiveEngine(
+            _IO_COMM[0], CommunicationOptions(timeout_seconds=timeout))
+    broken = next((e._broken for e in _IO_ENGINES.values() if e._broken), None)
+    if broken and not engine._broken:
+        engine._broken = broken   # (the communicator is out of step for every engine on it)
+    return engine
 
 
 def strategy_timeout() -> Optional[float]:
-    """``timeout_seconds`` of the strategy a checkpoint works under (``None``: none given)."""
-    strategy = get_strategy() if has_strategy() else (live_strategies() or [None])[-1]
-    engine = getattr(getattr(strategy, "extended", None), "engine", None)
-    return getattr(getattr(engine, "options", None), "timeout_seconds", None)
+    """``timeout_seconds`` of the strategy a checkpoint works under (``None``: none given):
+    the current scope's, else the newest strategy's (alike on every rank)."""
+    if has_strategy():
+        return get_strategy().extended.engine.options.timeout_seconds
+    return newest_timeout()
 
 
 def prepare_directory(directory: str, engine: CollectiveEngine, path: str) -> None:

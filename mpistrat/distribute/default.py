@@ -21,6 +21,8 @@ __all__ = ["DefaultStrategy", "default_strategy"]
 class DefaultStrategy(Strategy):
     """A single replica on this process; collectives are identities."""
 
+    _made_by_every_rank = False   # made by each process when it first asks for it
+
     def __init__(self):
         super().__init__(CollectiveEngine(MPI.COMM_SELF), ("/job:localhost/replica:0/task:0/device:CPU:0",))
 

@@ -42,6 +42,16 @@ _SCOPE_HOOKS = []   # callables run on every scope() entry, registered by higher
 _LIVE: "weakref.WeakSet" = weakref.WeakSet()   # every strategy made in this process, alive
 
 
+_NEWEST_TIMEOUT: list = [None]   # timeout_seconds of the newest strategy made on every rank
+
+
+def newest_timeout() -> Optional[float]:
+    """``timeout_seconds`` of the newest strategy the job made (every rank makes its strategies
+    in the same order, so every rank answers alike, whatever its garbage collector kept);
+    ``None`` when it gave none, or none was made. The default strategy does not count."""
+    return _NEWEST_TIMEOUT[0]
+
+
 def live_strategies() -> list:
     """The strategies of this process that are still referenced, oldest first."""
     return sorted(_LIVE, key=lambda s: s._created)
@@ -147,12 +157,16 @@ class StrategyExtended:
 class Strategy:
     """Base class of the strategies; see the module docstring for an example."""
 
+    _made_by_every_rank = True   # (the default strategy is made by each process alone)
+
     def __init__(self, engine: CollectiveEngine, worker_devices: Tuple[str, ...],
                  cluster_resolver: Any = None):
         self._extended = StrategyExtended(self, engine, worker_devices)
         self._cluster_resolver = cluster_resolver
         self._created = next(_COUNTER)
         _LIVE.add(self)
+        if self._made_by_every_rank:
+            _NEWEST_TIMEOUT[0] = engine.options.timeout_seconds
         for hook in _SCOPE_HOOKS:   # e.g. keras_hooks: guard fit of models made before
             hook()
 

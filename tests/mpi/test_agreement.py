@@ -53,3 +53,21 @@ def test_an_ms_error_keeps_its_class_on_every_rank(engine):
         with engine.agreed("restoring", doing="restoring the step"):
             if engine.rank == 0:
                 raise InvalidArgumentError("the step 2**40 does not fit int32")
+
+
+def test_the_checkpoint_engine_takes_the_newest_strategys_timeout_on_every_rank_alike():
+    """Outside every scope a checkpoint works under the newest strategy's timeout; the
+    default strategy, which a rank makes alone when it first asks for it (here rank 0 only),
+    changes nothing, so every rank picks the same engine."""
+    import mpistrat as ms
+    from mpistrat.checkpoint.directory import io_engine
+    strategy = ms.MultiWorkerMirroredStrategy(
+        communication_options=ms.CommunicationOptions(timeout_seconds=600.0))
+    if strategy.cluster_resolver.task_id == 0:
+        ms.get_strategy()
+    engine = io_engine()
+    assert engine.options.timeout_seconds == 600.0
+    assert engine.allgather_object(engine.options.timeout_seconds, "timeouts") == \
+        [600.0] * engine.size
+    with strategy.scope():
+        assert io_engine() is engine

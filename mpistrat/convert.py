@@ -104,18 +104,13 @@ def _nested(paths: Dict[str, str]) -> List[str]:
 def _graph_to_keep(values, skipped_keys: set) -> Tuple[Optional[str], set]:
     """The graph's entry key (``None`` without a graph) and the checkpoint keys of its
     attributes whose values are left out (to drop from the graph kept with the values)."""
-    import bisect
-    from mpistrat.tfformats.object_graph import GRAPH_KEY
+    from mpistrat.tfformats.object_graph import GRAPH_KEY, attribute_keys
     if values.graph is None:
         return None, set()
-    keys, drop = sorted(values.index.entries), set()
-    for value in values.graph.values:
-        named = [value.key] if value.key in values.index.entries else []
-        at = bisect.bisect_left(keys, value.key)
-        while not named and at < len(keys) and keys[at].startswith(value.key):
-            named.append(keys[at])     # (a saveable's keys under its attribute's key)
-            at += 1
-        if any(key in skipped_keys for key in named):
+    drop = set()
+    for value, keys in zip(values.graph.values,   # (a saveable's keys under its attribute's)
+                           attribute_keys(values.graph, values.index.entries, values.source)):
+        if any(key in skipped_keys for key in keys):
             drop.add(value.key)
     return GRAPH_KEY, drop
 
@@ -211,7 +206,7 @@ def _kept_graph(final: str) -> Optional[bytes]:
 def _ours_to_tf(final: str, dst: str, engine) -> Tuple[int, int, List[str]]:
     from mpistrat.checkpoint.h5read import Reader, read_catalog, read_values
     from mpistrat.checkpoint.tf_checkpoints import assign_readers
-    from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+    from mpistrat.collectives.agreement import agree_view
     from mpistrat.errors import DataLossError, InvalidArgumentError
     from mpistrat.tfformats import bundle, bundle_writer
     from mpistrat.tfformats.object_graph import GRAPH_KEY, build_graph
@@ -226,21 +221,18 @@ def _ours_to_tf(final: str, dst: str, engine) -> Tuple[int, int, List[str]]:
     if refused:   # (the catalog is agreed: every rank raises alike, before any write)
         raise InvalidArgumentError(f"{final}: TensorFlow has no dtype for {', '.join(refused)}: "
                                    f"nothing was written")
-    keys = _tf_keys(catalog, final)
+    keys = None
+    with engine.agreed(f"converting {final} to {dst}", doing="reading its TensorFlow keys"):
+        keys = _tf_keys(catalog, final)
     agree_view(engine, None if keys is None else hashlib.sha1(repr(sorted(keys.items())).encode(
         )).hexdigest(), f"{final} (its TensorFlow keys)", error=DataLossError)
     graph = None
     if keys is None:   # one of ours: a graph of our paths (its keys), as tf.train.Checkpoint's
         graph, keys = build_graph({p: catalog[p].kind for p in paths})
-    elif engine.rank == 0:   # converted from TensorFlow: its own keys, and its graph if it had one
-        failure = None
-        try:
-            graph = _kept_graph(final)
-        except (ValueError, OSError) as err:
-            failure = Failure(err, 0, "reading the kept object graph")
-        agree_errors(engine, failure, f"converting {final} to {dst}")
-    else:
-        agree_errors(engine, None, f"converting {final} to {dst}")
+    else:   # converted from TensorFlow: its own keys, and its graph if it had one
+        with engine.agreed(f"converting {final} to {dst}", doing="reading the kept object graph"):
+            if engine.rank == 0:
+                graph = _kept_graph(final)
     owners = dict(zip(paths, assign_readers([catalog[p].nbytes for p in paths], engine.size)))
     mine: List[Tuple[str, np.ndarray]] = []
     if graph is not None and engine.rank == 0:
@@ -258,22 +250,15 @@ def _ours_to_tf(final: str, dst: str, engine) -> Tuple[int, int, List[str]]:
                 for path, value in read_values(final, reader, batch).items():
                     if owners[path] == engine.rank:
                         mine.append((keys[path], value))
-    failure, entries = None, []
-    try:
+    entries = []
+    with engine.agreed(f"converting {final} to {dst}", doing="writing a data shard"):
         entries = bundle_writer.write_shard(bundle.data_name(dst, engine.rank, engine.size),
                                             sorted(mine, key=lambda kv: kv[0].encode()),
                                             engine.rank)
-    except Exception as err:  # noqa: BLE001 - agreed, then raised on every rank
-        failure = Failure(err, engine.rank, "writing a data shard")
-    agree_errors(engine, failure, f"converting {final} to {dst}")
-    gathered = engine.comm.gather(entries, root=0)
-    failure = None
-    if engine.rank == 0:
-        try:
+    gathered = engine.gather_object(entries, 0, f"converting {final} to {dst}: the entries")
+    with engine.agreed(f"converting {final} to {dst}", doing="writing the index"):
+        if engine.rank == 0:
             bundle_writer.write_index(dst, engine.size, [e for part in gathered for e in part])
-        except Exception as err:  # noqa: BLE001 - agreed, then raised on every rank
-            failure = Failure(err, 0, "writing the index")
-    agree_errors(engine, failure, f"converting {final} to {dst}")
     return len(paths), sum(catalog[p].nbytes for p in paths), []
 
 
@@ -284,15 +269,12 @@ def convert(src: str, dst: str, overwrite: bool = False, skip_unsupported: bool 
     """
     from mpistrat.checkpoint.directory import io_engine, prepare_directory
     from mpistrat.checkpoint.files import data_file
-    from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+    from mpistrat.collectives.agreement import agree_view
     from mpistrat.tfformats.bundle import index_name
     engine = io_engine()
-    failure, source = None, None
-    try:
+    source = None
+    with engine.agreed(f"converting {src}"):
         source = _source(os.fspath(src))
-    except Exception as err:  # noqa: BLE001 - agreed, then raised on every rank
-        failure = Failure(err, engine.rank)
-    agree_errors(engine, failure, f"converting {src}")
     kind, path = agree_view(engine, source, f"checkpoint {src}")
     dst = os.fspath(dst)
     if agree_view(engine, os.path.isdir(dst) or dst.endswith(os.sep), f"DST {dst}"):

@@ -322,9 +322,12 @@ def _leaf_slot(obj: Any, path: str, setter) -> Optional[Slot]:
 
 
 def leaf_slot(obj: Any, path: str) -> Optional[Slot]:
-    """The slot of a variable or array found outside the walk (a TensorFlow restore binds
-    objects by attribute), else ``None``; immutable values get no way to write back."""
-    return _leaf_slot(obj, path, None)
+    """The slot of a variable found outside the walk (a TensorFlow restore binds objects by
+    attribute, private ones included), else ``None``: only variables (ours, Keras's, NNX's),
+    which restore through their own assignment; never a bare array reached through a file's
+    names (an ``ms.Variable``'s ``_value``, an object's private cache)."""
+    slot = _leaf_slot(obj, path, None)
+    return slot if slot is not None and slot.kind == "variable" else None
 
 
 def root_children(root: Any) -> Dict[str, Any]:

@@ -218,6 +218,11 @@ class OrbaxCheckpointManager:
                     raise ValueError(f"item {name!r}: expected StandardSave or PyTreeSave, "
                                      f"found {type(arg).__qualname__}")
                 described[check_item_name(name)] = describe(arg.item, copy=asynchronous)
+            folded = sorted(described, key=str.lower)
+            for a, b in zip(folded, folded[1:]):
+                if a.lower() == b.lower():   # one file where case is folded (macOS, CIFS)
+                    raise ValueError(f"items {a!r} and {b!r} differ only in case: an item is "
+                                     f"a file, so their names must differ otherwise")
         except (ValueError, TypeError, NotImplementedError) as err:
             error = err
         agree(self._engine, error, f"saving step {step} in {self._directory}")

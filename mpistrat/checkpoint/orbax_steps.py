@@ -69,9 +69,15 @@ def scan(directory: str) -> Tuple[List[int], List[str]]:
 
 
 def check_item_name(name) -> str:
-    """An item name: one path segment not starting with '.' or '_' (ours), else ``ValueError``."""
+    """An item name: one path segment of ASCII letters, digits, '_', '.' and '-', not starting
+    with '.' or '_' (ours), else ``ValueError``. Items are files (``<item>.h5``), and file
+    systems that normalise or fold case would make two other names one file: object names
+    inside an item may be of any script, item names may not."""
     if not isinstance(name, str) or name[:1] in ("", ".", "_"):
         raise ValueError(f"item name {name!r} is not allowed: start with a letter or digit")
+    if not name.isascii():
+        raise ValueError(f"item name {name!r} is not allowed: an item is a file, so its name "
+                         f"is ASCII letters, digits, '_', '.' and '-'")
     return check_segment(name)
 
 

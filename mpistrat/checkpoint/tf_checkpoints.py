@@ -28,7 +28,6 @@ broadcast, and checked (CRC-32C) by every rank, so a corrupt value raises the sa
 ``DataLossError`` everywhere. Values for objects attached later are read when they are.
 """
 
-import bisect
 import hashlib
 import os
 import warnings
@@ -51,7 +50,8 @@ from mpistrat.errors import DataLossError, NotFoundError
 from mpistrat.runtime import timeline
 from mpistrat.tfformats.bundle import (STRING, BundleEntry, BundleIndex, decode_value,
                                        index_name, is_bundle, read_index, read_value)
-from mpistrat.tfformats.object_graph import GRAPH_KEY, ObjectGraph, parse_graph
+from mpistrat.tfformats.object_graph import (GRAPH_KEY, MAX_GRAPH_BYTES, ObjectGraph,
+                                             attribute_keys, parse_graph)
 
 __all__ = ["load_checkpoint", "list_variables", "CheckpointReader", "resolve_prefix", "latest_in",
            "restore_tensorflow", "open_values", "read_collective", "assign_readers",
@@ -290,6 +290,9 @@ def graph_entry(index: BundleIndex) -> Optional[BundleEntry]:
     entry = index.entries.get(GRAPH_KEY)
     if entry is not None and (entry.enum != STRING or entry.shape != ()):
         raise DataLossError(f"{index_name(index.prefix)}: {GRAPH_KEY} is not a string scalar")
+    if entry is not None and entry.size > MAX_GRAPH_BYTES + 16:   # (its length and checksum)
+        raise DataLossError(f"{index_name(index.prefix)}: an object graph of {entry.size} "
+                            f"bytes (at most {MAX_GRAPH_BYTES}), refused before it is read")
     return entry
 
 
@@ -307,18 +310,10 @@ def _paths_of(graph: ObjectGraph, index: BundleIndex):
     iterator's ``.ATTRIBUTES/ITERATOR`` is stored as ``.ATTRIBUTES/ITERATOR_STATE``; a
     lookup table's as ``...-keys`` and ``...-values``): each such key gets the attribute's
     path with the key's suffix."""
-    keys = sorted(index.entries)
     keys_of: Dict[str, List[str]] = {}
-    for value in graph.values:
-        if value.key in index.entries:
-            named = [(value.path, value.key)]
-        else:
-            at = bisect.bisect_left(keys, value.key)
-            named = []
-            while at < len(keys) and keys[at].startswith(value.key):
-                named.append((value.path + keys[at][len(value.key):], keys[at]))
-                at += 1
-        for path, key in named:
+    for value, keys in zip(graph.values, attribute_keys(graph, index.entries,
+                                                         index_name(index.prefix))):
+        for path, key in ((value.path + key[len(value.key):], key) for key in keys):
             if key not in keys_of.setdefault(path, []):
                 keys_of[path].append(key)
     paths = {path: found[-1] for path, found in keys_of.items()}   # (the last, as before)

@@ -39,7 +39,7 @@ from mpistrat.tfformats.object_graph import VARIABLE_VALUE, GraphValue, ObjectGr
 __all__ = ["Bindings", "edges", "bind", "structural_matches", "hook_unbuilt",
            "refuse_saved_model", "match_converted"]
 
-_INDEX = re.compile(r"^[0-9]{1,9}$")
+_INDEX = re.compile(r"[0-9]{1,9}")
 
 
 @dataclass
@@ -67,7 +67,7 @@ class Bindings:
 def _lookup(obj: Any, name: str, cache: Dict[int, Dict[str, Any]]) -> Any:
     """The child ``obj`` holds under TensorFlow's local ``name``, or ``None``."""
     if isinstance(obj, (list, tuple)):
-        return obj[int(name)] if _INDEX.match(name) and int(name) < len(obj) else None
+        return obj[int(name)] if _INDEX.fullmatch(name) and int(name) < len(obj) else None
     if isinstance(obj, Mapping):
         if name in obj:
             return obj[name]

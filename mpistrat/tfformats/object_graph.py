@@ -28,6 +28,7 @@ Slot variables of TF's legacy optimizers sit at
     ('model/dense/kernel/.ATTRIBUTES/VARIABLE_VALUE', 'it/.ATTRIBUTES/steps')
 """
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Set, Tuple
@@ -37,12 +38,13 @@ from mpistrat.tfformats import messages
 from mpistrat.tfformats.wire import WireError, read_varint, varint
 
 __all__ = ["GRAPH_KEY", "GraphValue", "ObjectGraph", "parse_graph", "build_graph",
-           "escape_name", "drop_attributes", "path_budget"]
+           "escape_name", "drop_attributes", "path_budget", "attribute_keys"]
 
 GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VARIABLE_VALUE = "VARIABLE_VALUE"
 MAX_NODES = 1 << 22             # 4 Mi objects (a 1,000-layer Keras model has about 10,000)
-MAX_GRAPH_BYTES = 1 << 28       # 256 MiB (parsed, a graph takes up to 15 times its bytes)
+MAX_GRAPH_BYTES = 1 << 28       # 256 MiB (parsed, a graph of empty nodes takes about 37 times
+                                # its bytes; a real one's strings make that far less)
 MAX_DEPTH = 1000                # object paths nest this deep at most (Keras: about 10)
 _SLOT = "/.OPTIMIZER_SLOT/"
 
@@ -302,3 +304,44 @@ def drop_attributes(data: bytes, keys: Set[str], where: str) -> bytes:
     except WireError as err:
         raise DataLossError(f"{where}: the object graph is not a valid message ({err})") from None
     return bytes(out)
+
+
+_ATTRIBUTES = "/.ATTRIBUTES/"
+
+
+def attribute_keys(graph: "ObjectGraph", keys: Iterable[str], where: str) -> List[List[str]]:
+    """The index keys of each of ``graph.values``, in order: its ``checkpoint_key`` when the
+    index holds it, else the keys that extend it (a saveable that wrote several tensors: a
+    lookup table's ``...-keys`` and ``...-values``, an iterator's ``ITERATOR_STATE``), only
+    for keys of TensorFlow's attribute form (``.../.ATTRIBUTES/...``). A key claimed by two
+    attributes is a ``DataLossError``, so the work is bounded by the index's size::
+
+        >>> from mpistrat.tfformats.object_graph import ObjectGraph, GraphValue
+        >>> graph = ObjectGraph({}, [GraphValue(1, "table", "t/.ATTRIBUTES/table", "t")])
+        >>> attribute_keys(graph, ["t/.ATTRIBUTES/table-keys", "t/.ATTRIBUTES/table-values"], "f")
+        [['t/.ATTRIBUTES/table-keys', 't/.ATTRIBUTES/table-values']]
+    """
+    ordered = sorted(keys)
+    present = set(ordered)
+    claimed: Dict[str, int] = {}
+    found: List[List[str]] = []
+    for number, value in enumerate(graph.values):
+        if value.key in present:
+            named = [value.key]
+        elif _ATTRIBUTES in value.key and not value.key.endswith("/"):
+            at, named = bisect.bisect_left(ordered, value.key), []
+            while at < len(ordered) and ordered[at].startswith(value.key):
+                named.append(ordered[at])
+                at += 1
+                if ordered[at - 1] in claimed:
+                    break
+        else:
+            named = []
+        for key in named:
+            owner = claimed.setdefault(key, number)
+            if owner != number:
+                raise DataLossError(f"{where}: the object graph gives the value {key!r} to two "
+                                    f"attributes ({graph.values[owner].path!r} and "
+                                    f"{value.path!r}): not a checkpoint TensorFlow writes")
+        found.append(named)
+    return found

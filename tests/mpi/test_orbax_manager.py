@@ -299,6 +299,14 @@ def test_composite_items(world, shared_dir):
         mngr.save(2, args=ocp.args.StandardSave(state))
     with pytest.raises(ValueError, match="no item 'other'"):
         mngr.restore(1, args=ocp.args.Composite(other=None))
+    # items are files: names that a case-folding or normalising file system makes one file
+    free = ocp.CheckpointManager(shared_dir + "/free")
+    with pytest.raises(ValueError, match="differ only in case"):
+        free.save(3, args=ocp.args.Composite(State=ocp.args.StandardSave(state),
+                                             state=ocp.args.StandardSave(state)))
+    with pytest.raises(ValueError, match="an item is a file"):
+        free.save(3, args=ocp.args.Composite(**{"caf\u00e9": ocp.args.StandardSave(state)}))
+    assert free.all_steps() == []
 
 
 @pytest.mark.mpi(min_size=1)

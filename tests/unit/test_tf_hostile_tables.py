@@ -252,3 +252,21 @@ def test_shapes_tensorflow_aborts_on_are_named(tmp_path, dims, words):
     with pytest.raises(DataLossError, match=words) as info:
         ms.train.load_checkpoint(prefix)
     assert "ckpt.index" in str(info.value) and "'v'" in str(info.value)
+
+
+def test_attributes_that_claim_each_others_keys_are_refused_in_bounded_work():
+    """A crafted graph whose 1,000 attributes all name one prefix of 1,000 keys would pair
+    every attribute with every key (10^6 paths); a key claimed twice is refused at once, and
+    keys that are not TensorFlow's attribute form (an empty checkpoint_key) claim nothing."""
+    import time
+    from mpistrat.errors import DataLossError
+    from mpistrat.tfformats.object_graph import GraphValue, ObjectGraph, attribute_keys
+    keys = [f"a/.ATTRIBUTES/{i:04d}" for i in range(1000)]
+    shared = ObjectGraph({}, [GraphValue(n, f"x{n}", "a/.ATTRIBUTES/0", f"x{n}")
+                              for n in range(1000)])
+    start = time.perf_counter()
+    with pytest.raises(DataLossError, match="two attributes"):
+        attribute_keys(shared, keys, "crafted.index")
+    empty = ObjectGraph({}, [GraphValue(n, f"x{n}", "", f"x{n}") for n in range(1000)])
+    assert attribute_keys(empty, keys, "crafted.index") == [[]] * 1000
+    assert time.perf_counter() - start < 1.0

@@ -24,6 +24,8 @@ Inputs may be NumPy, CuPy or JAX arrays (JAX tracers too, inside
 """
 
 import functools
+import os
+import sys
 from typing import Any, Optional
 
 import numpy as np
@@ -175,6 +177,22 @@ def _per_device_axes(what: str) -> tuple:
     return manual
 
 
+_LIBRARIES = tuple(os.sep + name + os.sep for name in ("mpistrat", "jax", "jaxlib", "optax",
+                                                      "flax", "keras", "equinox"))
+
+
+def _traced_at() -> str:
+    """`` at file:line`` of the user's code tracing the call (for errors), or ``""``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not any(part in path for part in _LIBRARIES) and not path.startswith("<frozen") \
+                and os.path.basename(path) not in ("functools.py", "contextlib.py"):
+            return f" at {os.path.basename(path)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return ""
+
+
 class _Aggregation:
     """The collective of ``aggregate_gradients``: eager, or through a host callback when traced.
 
@@ -195,12 +213,14 @@ class _Aggregation:
             out = self.engine.all_reduce(arrays, self.op, self.options)
         return tuple(np.asarray(r, dtype=a.dtype).reshape(a.shape) for r, a in zip(out, arrays))
 
-    def each_device(self, count: int, position, *leaves):
-        """Device ``position``'s part of one all-reduce of all ``count`` devices' leaves."""
+    def each_device(self, count: int, site, position, *leaves):
+        """Device ``position``'s part of one all-reduce of all ``count`` devices' leaves, met
+        only with the calls of the same traced callback (``site``)."""
         timeout = self.engine.options.merge(self.options).timeout_seconds
         return tuple(host_callbacks.gathered(count, int(position),
                                              [np.asarray(leaf) for leaf in leaves],
-                                             lambda parts: self._devices(count, parts), timeout))
+                                             lambda parts: self._devices(count, parts), timeout,
+                                             site))
 
     def _devices(self, count: int, parts):
         flat = [array for part in parts for array in part]
@@ -222,7 +242,8 @@ class _Aggregation:
             if not axes:
                 return io_callback(self.host, shapes, *leaves, ordered=True)
             count = int(np.prod([jax.sharding.get_abstract_mesh().shape[a] for a in axes]))
-            return io_callback(functools.partial(self.each_device, count), shapes,
+            site = host_callbacks.site(f"ms.nn.{what}{_traced_at()}")   # this traced call
+            return io_callback(functools.partial(self.each_device, count, site), shapes,
                                jax.lax.axis_index(axes), *leaves, ordered=True)
         except ValueError as err:
             if "vmap" not in str(err):
@@ -277,8 +298,11 @@ def all_reduce_gradients(grads: Any, strategy=None, reduce_op="MEAN", options=No
     mesh axis manual) or ``pmap`` each device's gradients are reduced with the
     same device's of every other rank, in one collective per call::
 
-        def body(grads):                    # shard_map(body, mesh=mesh, ...)
-            return ms.nn.all_reduce_gradients(jax.lax.pmean(grads, "d"), strategy)
+        def body(params, batch):   # shard_map(body, mesh=mesh, in_specs=(P(), P("d")), ...)
+            # JAX already sums the gradient of parameters replicated over "d" (P()) across
+            # "d": divide each device's mean loss by the axis size for the mean over devices
+            loss = lambda p: loss_fn(p, batch) / jax.lax.axis_size("d")
+            return ms.nn.all_reduce_gradients(jax.grad(loss)(params), strategy)
 
     Inside ``jax.vmap``, or a ``shard_map`` leaving mesh axes automatic, it raises
     ``InvalidArgumentError`` (a ``ValueError``) saying where to call it instead.

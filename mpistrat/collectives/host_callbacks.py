@@ -29,13 +29,15 @@ its own part of the result::
 """
 
 import contextlib
+import itertools
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 from mpistrat.errors import DeadlineExceededError
 
-__all__ = ["TRACED", "traced", "running", "inside", "settle", "gathered"]
+__all__ = ["TRACED", "traced", "running", "inside", "settle", "gathered", "site", "Site",
+           "RENDEZVOUS_SECONDS"]
 
 # Whether a collective was ever traced into a callback. Hot paths test it themselves
 # (`if TRACED[0]: settle()`): one load when nothing was traced, no call.
@@ -74,6 +76,32 @@ def settle() -> None:
         jax.effects_barrier()
 
 
+# A device that never comes (a branch some devices skip) must not hold the others forever:
+# without a collective timeout, the devices of one call wait this long for each other.
+RENDEZVOUS_SECONDS = 300.0
+_sites = itertools.count(1)
+
+
+class Site:
+    """One traced per-device callback (made when the callback is traced): only the devices'
+    calls of the same ``Site`` meet. Numbered in trace order, so ranks that trace the same
+    program in the same order number it alike; ``name`` is what errors call it."""
+
+    __slots__ = ("number", "name")
+
+    def __init__(self, name: str):
+        self.number = next(_sites)
+        self.name = f"{name} (callback #{self.number})"
+
+    def __repr__(self) -> str:
+        return f"Site({self.name!r})"
+
+
+def site(name: str) -> Site:
+    """A new call-site token for a per-device callback being traced (see ``gathered``)."""
+    return Site(name)
+
+
 class _Call:
     """One call of a per-device callback: each device's values, then the shared result."""
 
@@ -85,39 +113,59 @@ class _Call:
         self.left = count   # devices yet to take their part
 
 
+class _Gathering:
+    """The calls of one callback on one device count: calls made per device, calls open, and
+    the devices that missed a call that timed out (their late arrival raises)."""
+
+    def __init__(self):
+        self.seen: Dict[int, int] = {}      # position -> calls made so far
+        self.open: Dict[int, _Call] = {}    # call number -> its gathering
+        self.owed: Dict[int, str] = {}      # position -> why its late call fails
+
+
 _calls = threading.Condition()
-_seen: Dict[tuple, int] = {}     # (devices, position) -> calls made so far
-_open: Dict[tuple, _Call] = {}   # (devices, call number) -> its gathering
+_gatherings: Dict[tuple, _Gathering] = {}   # (site, devices) -> its calls
 
 
 def gathered(count: int, position: int, values: list,
-             reduce: Callable[[List[list]], Sequence[list]], timeout: Optional[float]) -> list:
+             reduce: Callable[[List[list]], Sequence[list]], timeout: Optional[float],
+             site: Optional[Site] = None) -> list:
     """Device ``position`` of ``count`` gives ``values`` to this call of a per-device callback
     and gets back its part of ``reduce(parts)`` (``parts``: every device's values in position
-    order). The last device to come runs ``reduce`` on its thread, once; every device waits
-    for it, at most ``timeout`` seconds for the others to come (``None``: no limit), then
-    as long as ``reduce`` takes (its own deadline). An error of ``reduce`` is raised on every
-    device's thread. Calls are counted per device: JAX runs one device's callbacks in
-    program order, so the n-th call of every device is one call.
+    order). Only calls of the same ``site`` (the traced callback) meet. The last device to
+    come runs ``reduce`` on its thread, once; every device waits for it, at most ``timeout``
+    seconds for the others to come (``None``: ``RENDEZVOUS_SECONDS``), then as long as
+    ``reduce`` takes (its own deadline). An error of ``reduce`` is raised on every device's
+    thread. Calls are counted per site and device: JAX runs one device's callbacks in
+    program order, so the n-th call of a site on every device is one call. When the devices
+    of a call do not all come in time, the call fails on those that came
+    (``DeadlineExceededError`` naming the callback and the missing positions), the counts
+    start again, and a missing device that comes later raises the same way instead of
+    joining another call.
 
         >>> gathered(1, 0, [1.0], lambda parts: parts, None)
         [1.0]
     """
+    if count == 1:   # nothing to meet
+        return list(reduce([values]))[0]
+    name = site.name if site is not None else "ms.nn's gradient all-reduce"
     with _calls:
-        number = _seen.get((count, position), 0)
-        _seen[(count, position)] = number + 1
-        call = _open.setdefault((count, number), _Call(count))
+        gathering = _gatherings.setdefault((site, count), _Gathering())
+        late = gathering.owed.pop(position, None)
+        if late is not None:
+            raise DeadlineExceededError(late)
+        number = gathering.seen.get(position, 0)
+        gathering.seen[position] = number + 1
+        call = gathering.open.setdefault(number, _Call(count))
         call.parts[position] = values
         last = len(call.parts) == count
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not last and len(call.parts) < count:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                missing = sorted(set(range(count)) - set(call.parts))
-                raise DeadlineExceededError(
-                    f"ms.nn's gradient all-reduce inside shard_map or pmap: devices {missing} "
-                    f"of {count} did not reach call {number + 1} within timeout_seconds="
-                    f"{timeout:g} (does the call sit in a branch that some devices skip?)")
+        limit = timeout if timeout is not None else RENDEZVOUS_SECONDS
+        deadline = time.monotonic() + limit
+        while not last and len(call.parts) < count and not call.done:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                _fail(gathering, number, call, count, name, limit, timeout is None)
+                break
             _calls.wait(left)
     if last:
         try:
@@ -131,8 +179,34 @@ def gathered(count: int, position: int, values: list,
         while not call.done:
             _calls.wait()
         call.left -= 1
-        if call.left == 0:
-            del _open[(count, number)]
+        if call.left == 0 and gathering.open.get(number) is call:
+            del gathering.open[number]
     if call.error is not None:
         raise call.error
     return call.result[position]
+
+
+def _fail(gathering: _Gathering, number: int, call: _Call, count: int, name: str,
+          limit: float, default: bool) -> None:
+    """Call ``number`` timed out (under ``_calls``): it and every other open call of its
+    gathering fail, the counts start again, its missing devices are owed an error."""
+    missing = sorted(set(range(count)) - set(call.parts))
+    why = ("the rendezvous limit host_callbacks.RENDEZVOUS_SECONDS (no timeout_seconds set)"
+           if default else "timeout_seconds")
+    call.error = DeadlineExceededError(
+        f"{name}, inside shard_map or pmap: the devices at positions {missing} of the {count} "
+        f"in this process's mesh did not reach call {number + 1} within {limit:g} s ({why}); "
+        f"does the call sit in a branch that some devices skip (jax.lax.cond on a per-device "
+        f"value)?")
+    for other in gathering.open.values():
+        if not other.done and len(other.parts) < count:   # (not one being reduced)
+            other.error = other.error or call.error
+            other.done = True
+    late = (f"{name}, inside shard_map or pmap: this device (position {{}} of {count}) came to "
+            f"call {number + 1} after it had failed: the devices at positions "
+            f"{[p for p in range(count) if p in call.parts]} stopped waiting after {limit:g} s")
+    for position in missing:
+        gathering.owed[position] = late.format(position)
+    gathering.seen.clear()
+    gathering.open.clear()
+    _calls.notify_all()

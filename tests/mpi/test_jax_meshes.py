@@ -192,3 +192,118 @@ def test_vmap_and_partly_automatic_shard_map_are_refused_by_name(world, strategy
     # the stream is intact: a later aggregation and reduce still agree on every rank
     out = jax.jit(lambda v: ms.nn.all_reduce_gradients(v, strategy, "SUM"))(jnp.ones(2))
     np.testing.assert_array_equal(np.asarray(out), np.full(2, float(world.size)))
+
+
+def _two_half_programs(strategy, halves):
+    """Two shard_map programs with gradients of the same shapes, one on each half of the local
+    devices (a generator step and a discriminator step): their calls must never meet."""
+    def program(half, sign):
+        mesh = Mesh(np.array(half), ("d",))
+
+        def body(params, xs, ys):   # (the gradient of replicated params is summed over "d")
+            share = 1.0 / jax.lax.axis_size("d")
+            grads = jax.grad(lambda p: _loss(p, xs, sign * ys) * share)(params)
+            grads = ms.nn.all_reduce_gradients(grads, strategy)
+            return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+        step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d"), P("d")),
+                                     out_specs=P()))
+        return mesh, step
+    return [program(half, sign) for half, sign in zip(halves, (1.0, -1.0))]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_shard_map_programs_on_disjoint_halves_alternating_match_one_process(world, strategy):
+    """A generator step on the first half of the devices and a discriminator step on the
+    other half, gradients of the same shapes, dispatched without waiting: each call's parts
+    come from its own program only (issue 44 review), on every rank."""
+    devices = _devices()
+    if len(devices) < 2:
+        pytest.skip("needs 2 or more local JAX devices (--xla_force_host_platform_device_count)")
+    half = len(devices) // 2
+    halves = [devices[:half], devices[half:2 * half]]
+    x, y = _data(steps=6)
+    rows = _rows(world)
+    programs = _two_half_programs(strategy, halves)
+    params = [jax.device_put(_init(), NamedSharding(mesh, P())) for mesh, _ in programs]
+    for xb, yb in zip(x, y):
+        for which, (mesh, step) in enumerate(programs):    # no wait between the two
+            batch = NamedSharding(mesh, P("d"))
+            params[which] = step(params[which], jax.device_put(xb[rows], batch),
+                                 jax.device_put(yb[rows], batch))
+    mine = [jax.tree.map(np.asarray, p) for p in params]
+
+    reference = [_init(), _init()]
+    for xb, yb in zip(x, y):
+        for which, sign in enumerate((1.0, -1.0)):
+            grads = jax.grad(lambda p: _loss(p, jnp.asarray(xb), sign * jnp.asarray(yb)))(
+                reference[which])
+            reference[which] = jax.tree.map(lambda p, g: p - 0.1 * g, reference[which], grads)
+    for got, want in zip(mine, reference):
+        for name in got:
+            assert len(set(world.comm.allgather(got[name].tobytes()))) == 1, name
+            np.testing.assert_allclose(got[name], np.asarray(want[name]), rtol=2e-5, atol=2e-6)
+    assert float(strategy.reduce("SUM", np.float32(1.0), axis=None)) == world.size
+
+
+def _arrive(site, count, position, value, timeout, out):
+    from mpistrat.collectives import host_callbacks
+    try:
+        out[position] = host_callbacks.gathered(
+            count, position, [value], lambda parts: [[sum(p[0] for p in parts)]] * count,
+            timeout, site)
+    except Exception as err:  # noqa: BLE001 - the test looks at it
+        out[position] = err
+
+
+def _threads(*calls):
+    """Each call on its own thread, started in the order given, apart enough to arrive so."""
+    import threading
+    import time
+    threads = [threading.Thread(target=_arrive, args=call) for call in calls]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)
+    for thread in threads:
+        thread.join(30)
+        assert not thread.is_alive()
+
+
+@pytest.mark.mpi(min_size=1)
+def test_gathered_joins_only_calls_of_one_traced_callback(world):
+    """Two callbacks of the same device count whose devices come in crossed order: each call
+    holds one callback's parts (matched by count and position alone they would mix)."""
+    from mpistrat.collectives import host_callbacks
+    first, second = host_callbacks.site("first"), host_callbacks.site("second")
+    one, two = {}, {}
+    _threads((first, 2, 0, 1.0, 10.0, one), (second, 2, 1, 100.0, 10.0, two),
+             (second, 2, 0, 200.0, 10.0, two), (first, 2, 1, 2.0, 10.0, one))
+    assert one == {0: [3.0], 1: [3.0]} and two == {0: [300.0], 1: [300.0]}
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("timeout", [0.3, None])
+def test_gathered_fails_a_call_a_device_skips_and_starts_again(world, monkeypatch, timeout):
+    """A device that never comes (a branch it skips): the others stop waiting, even with no
+    collective timeout (RENDEZVOUS_SECONDS), with an error naming the callback and the missing
+    position; the device coming late raises instead of joining the next call's values; the
+    next call meets again from a clean count."""
+    from mpistrat.collectives import host_callbacks
+    from mpistrat.errors import DeadlineExceededError
+    monkeypatch.setattr(host_callbacks, "RENDEZVOUS_SECONDS", 0.3)
+    site = host_callbacks.site("ms.nn.all_reduce_gradients at here.py:1")
+    out = {}
+    _threads((site, 3, 0, 1.0, timeout, out), (site, 3, 2, 3.0, timeout, out))
+    for position in (0, 2):
+        assert isinstance(out[position], DeadlineExceededError), out
+        message = str(out[position])
+        assert "here.py:1" in message and "positions [1] of the 3" in message, message
+        assert ("RENDEZVOUS_SECONDS" in message) == (timeout is None), message
+    late = {}
+    _threads((site, 3, 1, 2.0, timeout, late))
+    assert isinstance(late[1], DeadlineExceededError) and "after it had failed" in str(late[1])
+    again = {}   # (a generous limit again: threads of a loaded machine start late)
+    monkeypatch.setattr(host_callbacks, "RENDEZVOUS_SECONDS", 60.0)
+    _threads(*[(site, 3, p, 10.0 * (p + 1), None if timeout is None else 60.0, again)
+               for p in range(3)])
+    assert again == {0: [60.0], 1: [60.0], 2: [60.0]}

@@ -14,6 +14,9 @@ train step:
   under a strategy of N replicas (``keras.src.losses.loss.scale_loss_for_distribution`` and
   its inverse, and ``Trainer._aggregate_additional_loss``; no-ops on JAX otherwise), an
   empty batch's loss 0 (``keras.src.losses.loss.reduce_values``);
+* ``weight_regularisation_loss``: the weight regularisers' share of a replica's loss at given
+  trainable values, aggregated as ``Trainer.compute_loss`` aggregates them
+  (``Trainer._aggregate_additional_loss``): what an empty replica's gradient comes from;
 * ``each_epoch``: a Keras ``DataAdapter`` (``keras.src.trainers.data_adapters``) that
   iterates an mpistrat distributed dataset afresh each epoch; a ``PyDataset`` needs a length
   or an infinite stream, and Python generators are iterated once;
@@ -47,7 +50,7 @@ Tested against Keras 3.15.1 (the newest; ``pyproject.toml`` allows 3.10 and late
 import contextlib
 from typing import Any, Callable, Iterator
 
-__all__ = ["update_metrics", "replica_losses", "each_epoch", "own_state", "optimizer_state",
+__all__ = ["update_metrics", "replica_losses", "weight_regularisation_loss", "each_epoch", "own_state", "optimizer_state",
            "initial_epoch", "set_initial_epoch", "reload_state", "momentum_slots",
            "rebuild_optimizer", "h5_optimizer_weights", "in_stateless_scope",
            "set_initial_value", "TESTED"]
@@ -126,6 +129,26 @@ def replica_losses(model: Any, replicas: int):
             setattr(losses, name, value)
         if replicas > 1:
             object.__delattr__(model, "_aggregate_additional_loss")
+
+
+def weight_regularisation_loss(model: Any, trainable_values) -> Any:
+    """The sum of ``model``'s weight-regularisation losses at ``trainable_values`` (in the
+    order of ``model.trainable_variables``), each aggregated as ``Trainer.compute_loss``
+    aggregates ``model.losses`` (``_aggregate_additional_loss``: inside ``replica_losses``,
+    one replica's share), and summed as it sums them; 0 when no variable has a regulariser.
+    Its gradient is a replica's gradient without data, activity regularisers or ``add_loss``
+    terms (each term depends on its own variable alone, so the gradient is exactly the
+    regularisers' part of the whole loss's)."""
+    from keras import ops
+    aggregate = getattr(model, "_aggregate_additional_loss", None)
+    if aggregate is None:
+        raise _missing("Trainer._aggregate_additional_loss")
+    terms = [aggregate(variable.regularizer(value)) for variable, value in
+             zip(model.trainable_variables, trainable_values)
+             if getattr(variable, "regularizer", None) is not None]
+    if not terms:
+        return ops.zeros(())
+    return terms[0] if len(terms) == 1 else ops.sum(terms)
 
 
 def each_epoch(batches: Callable[[], Iterator]) -> Any:

@@ -22,14 +22,18 @@ all-reduce per step (``ms.nn.all_reduce_gradients``)::
   rounding): the mean TensorFlow's ``ON_READ``/``MEAN`` variables read. State never written
   (a frozen layer's kernel) is left as it is. Other state (a seed generator's counter)
   advances alike everywhere: a replica without rows runs the passes on one row of zeros with
-  sample weight 0 (its gradient is TensorFlow's empty replica's: zero for the data, its share
-  of the regularisation losses under ``"replicas"``), unless the model synchronises its
-  batch statistics (``SyncBatchNormalization``), whose empty replicas run on their 0 rows.
+  sample weight 0, unless the model synchronises its batch statistics
+  (``SyncBatchNormalization``), whose empty replicas run on their 0 rows. What that row
+  computes is dropped: its gradient is TensorFlow's empty replica's, zero under ``"rows"``,
+  and under ``"replicas"`` the gradient of its share of the weight regularisers alone (its
+  data loss, activity regularisers and ``add_loss`` terms are those of no rows: 0), taken
+  apart from the row, so a NaN the zero row makes reaches no rank.
+  Floating means include ``bfloat16``, ``float16`` and the float8 types (a
+  ``keras.config.set_dtype_policy("bfloat16")`` model's statistics): summed and divided in
+  float32 and cast back, the same bits on every rank.
 """
 
 from typing import Any
-
-import numpy as np
 
 from mpistrat.horovod.optimizer import reduced_here
 from mpistrat.keras_checks import _rows, loss_rule
@@ -61,6 +65,13 @@ def _one_zero_row(x, y, sample_weight):
     return x, y, weight
 
 
+def _floating(dtype) -> bool:
+    """Whether ``dtype`` is a floating type, ``ml_dtypes``' ``bfloat16`` and float8 types
+    included (NumPy's ``issubdtype(..., np.floating)`` says no to those: kind ``'V'``)."""
+    import jax.numpy as jnp
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
 def _written(before, after) -> list:
     """Per non-trainable variable: whether the traced step assigned it (Keras hands back the
     very value it was given for a variable that nothing assigned)."""
@@ -73,7 +84,8 @@ def make_steps(model: Any, strategy: Any, per_rank_data: bool, synchronized: boo
     import jax.numpy as jnp
     import keras
     from keras.utils import unpack_x_y_sample_weight
-    from mpistrat.keras_adapter import replica_losses, update_metrics
+    from mpistrat.keras_adapter import (replica_losses, update_metrics,
+                                        weight_regularisation_loss)
     from mpistrat.nn import all_reduce_gradients
 
     replicas = strategy.num_replicas_in_sync
@@ -111,6 +123,21 @@ def make_steps(model: Any, strategy: Any, per_rank_data: bool, synchronized: boo
                                          sample_weight)
         return grads, non_trainable, written, new_metrics
 
+    def regularisation_grads(trainable, optimizer_vars):
+        """An empty replica's gradient under ``"replicas"`` (TensorFlow's): of its share of
+        the weight regularisers alone, scaled as the optimizer scales a loss."""
+        def loss(values):
+            total = weight_regularisation_loss(model, values)
+            scale = getattr(model.optimizer, "scale_loss", None)
+            if scale is None:
+                return total
+            with keras.StatelessScope(state_mapping=list(zip(model.optimizer.variables,
+                                                             optimizer_vars))):
+                return scale(total)
+
+        with replica_losses(model, replicas):
+            return jax.grad(loss)(list(trainable))
+
     def train_step(state, data):
         trainable, non_trainable, optimizer_vars, metrics_vars = state
         x, y, sample_weight = unpack_x_y_sample_weight(data)
@@ -121,6 +148,10 @@ def make_steps(model: Any, strategy: Any, per_rank_data: bool, synchronized: boo
             _one_zero_row(x, y, sample_weight)   # (the same variables written everywhere)
         grads, after, written, new_metrics = passes(rule, trainable, non_trainable,
                                                     optimizer_vars, metrics_vars, *given)
+        if not present and not synchronized and rule == "replicas":
+            # (the zero row's gradient dropped: its activity regularisers and add_loss terms,
+            # a NaN it makes, are no part of TensorFlow's empty replica's)
+            grads = regularisation_grads(trainable, optimizer_vars)
         weight = jnp.asarray(rows if rule == "rows" else 1, jnp.float32)
         # hvd.DistributedOptimizer with op=Sum, compression or a predivide factor: each
         # rank's own mean gradient reduced by Horovod's rules; else combined below
@@ -136,15 +167,15 @@ def make_steps(model: Any, strategy: Any, per_rank_data: bool, synchronized: boo
                 lambda g: jnp.where(keep, g * weight.astype(g.dtype), jnp.zeros_like(g)),
                 grads)
         deltas = summed_deltas(metrics_vars, new_metrics, present)
-        averaged = [w and np.issubdtype(np.dtype(v.dtype), np.floating)
-                    for w, v in zip(written, non_trainable)]
-        floats = [jnp.where(present, v, jnp.zeros_like(v)) if a else None
-                  for v, a in zip(after, averaged)]
+        averaged = [w and _floating(v.dtype) for w, v in zip(written, non_trainable)]
+        wide = [jnp.promote_types(v.dtype, jnp.float32) for v in non_trainable]
+        floats = [jnp.where(present, v.astype(t), jnp.zeros(v.shape, t)) if a else None
+                  for v, a, t in zip(after, averaged, wide)]   # (bfloat16, float8: in float32)
         weighted, total, deltas, floats, holders = reduce_sum(
             (weighted, weight, deltas, floats, jnp.asarray(float(present), jnp.float32)))
         non_trainable = [v if f is None else jnp.where(
-            holders > 0, f / jnp.maximum(holders, 1.0).astype(f.dtype), old)
-            for v, f, old in zip(after, floats, non_trainable)]
+            holders > 0, (f / jnp.maximum(holders, 1.0).astype(f.dtype)).astype(old.dtype),
+            old) for v, f, old in zip(after, floats, non_trainable)]
         if horovod is not None:
             grads = horovod(list(local))
         elif rule == "rows":

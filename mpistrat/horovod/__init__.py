@@ -61,7 +61,8 @@ from typing import Any
 from mpistrat.horovod.collectives import (Adasum, Average, Max, Min, Product, Sum, allgather,
                                           allgather_object, allreduce, broadcast,
                                           broadcast_object, broadcast_variables, join)
-from mpistrat.horovod.compression import Compression
+from mpistrat.horovod.compression import (Compression, Compressor,  # noqa: F401 - as before
+                                          FP16Compressor, NoneCompressor)
 from mpistrat.horovod.distributed_optimizer import DistributedOptimizer, load_model
 from mpistrat.horovod.world import (NotInitializedError, NotSupportedError, ProcessSet,
                                     add_process_set, cross_rank, cross_size, gloo_built,

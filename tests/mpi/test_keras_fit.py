@@ -308,6 +308,61 @@ def test_a_loss_per_row_is_refused_by_name(world, reduction):
     assert all(np.array_equal(a, b) for a, b in zip(before, weights(model)))
 
 
+class Penalty(keras.layers.Layer):
+    """An ``add_loss`` term of the activations, not 0 on a row of zeros."""
+
+    def __init__(self, scale, **kwargs):
+        super().__init__(**kwargs)
+        self.scale = scale
+
+    def call(self, x):
+        self.add_loss(self.scale * keras.ops.sum(keras.ops.square(x - 0.5)))
+        return x
+
+
+@pytest.mark.mpi(min_size=1)
+def test_an_empty_replica_of_a_summed_loss_adds_no_activity_or_add_loss_terms(world):
+    """2 rows over 3 ranks: the third replica has none. Before, under reduction='sum' it ran
+    one zero-weighted row of zeros and kept its whole gradient, so the activity regulariser
+    and the add_loss term of that row's activations moved the weights (TensorFlow's empty
+    replica adds 0 for them). TensorFlow's rule, at every width N: the data losses summed, the
+    weight regulariser once (1/N on each of N replicas), each add_loss term of the rows once
+    divided by N, and each replica's activity regulariser (Keras divides it by the replica's
+    rows) divided by N: with one row per replica, the mean over the 2 rows times
+    min(2, N) / N. That is one process's model with those factors."""
+    strategy = ms.MultiWorkerMirroredStrategy()
+    x, y = data()
+    x, y = x[:2], y[:2]
+
+    def make(activity, penalty):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([
+            keras.Input((4,)),
+            keras.layers.Dense(3, activation="tanh", bias_initializer="ones",
+                               kernel_regularizer=keras.regularizers.L2(0.01),
+                               activity_regularizer=keras.regularizers.L1(0.1 * activity)),
+            Penalty(0.05 * penalty), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.MeanSquaredError(reduction="sum"))
+        return model
+
+    with strategy.scope():
+        model = make(1.0, 1.0)
+    # (built on a batch every replica has rows of, learning rate 0: Keras's symbolic build on
+    # an empty first batch is another matter)
+    model.optimizer.learning_rate.assign(0.0)
+    model.fit(data()[0][:3], data()[1][:3], batch_size=3,
+              epochs=1, shuffle=False, verbose=0)
+    model.optimizer.learning_rate.assign(0.1)
+    model.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0)
+    alone = ms.keras_support.train_alone(make(min(2, world.size) / world.size,
+                                              1.0 / world.size))
+    alone.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0)
+    for got, want in zip(weights(model), weights(alone)):
+        np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+    same_on_every_rank(strategy, weights(model))
+
+
 @pytest.mark.mpi(min_size=1)
 def test_validation_split_holds_out_the_last_rows_as_one_process_does(world):
     """Before, validation_split was refused under a strategy."""

@@ -125,3 +125,30 @@ def test_frozen_layers_stay_bitwise_as_they_were(world, shared_dir):
             assert before[key].tobytes() == after[key].tobytes(), key
         else:
             assert not np.array_equal(before[key], after[key]), key
+
+
+@pytest.mark.mpi(min_size=1)
+def test_bfloat16_statistics_are_averaged_and_agree(world, shared_dir):
+    """Before, only dtypes NumPy calls floating were averaged: under the "bfloat16" policy
+    (ml_dtypes' bfloat16, kind 'V') BatchNormalization's moving statistics drifted apart per
+    rank. They are averaged in float32 and cast back, the same bits on every rank."""
+    strategy = ms.MultiWorkerMirroredStrategy()
+    policy = keras.config.dtype_policy()
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6),
+                                  keras.layers.BatchNormalization(), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(1e-2), loss="mse")
+        return model
+
+    keras.config.set_dtype_policy("bfloat16")
+    try:
+        before, after = fit_and_restore(world, strategy, build, shared_dir, "bfloat16")
+        with strategy.scope():
+            dtypes = {str(v.dtype) for v in build().non_trainable_variables}
+    finally:
+        keras.config.set_dtype_policy(policy)
+    assert dtypes == {"bfloat16"}, dtypes
+    moved = [k for k in after if "moving" in k and not np.array_equal(before[k], after[k])]
+    assert len(moved) == 2, moved

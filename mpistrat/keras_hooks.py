@@ -42,6 +42,7 @@ from mpistrat.keras_context import global_metrics, holds_global_sums, train_alon
 __all__ = ["install", "on_scope", "refuse_undistributed_fit", "train_alone", "global_metrics"]
 
 _INSTALLED = False
+_INSTALLING = threading.Lock()
 _LOCAL = threading.local()   # .reading: a metric's result() is being read (nested reads of
                              # its sub-metrics see the sums already)
 
@@ -58,32 +59,48 @@ def on_scope() -> None:
 
 
 class _AfterKerasImport(importlib.abc.MetaPathFinder):
-    """A finder that answers for the top-level ``keras`` module alone: it takes itself off
-    ``sys.meta_path``, finds Keras's own spec as the import would have, and makes its loader
-    call ``install()`` once Keras's ``__init__`` has run (so a model compiled outside every
-    scope, with Keras imported after the strategy was made, is still refused by ``fit``)::
+    """A finder that answers for the top-level ``keras`` module alone: it finds Keras's own
+    spec as the import would have (the finders after it) and hands it back with a loader of
+    ours that runs Keras's, then takes the finder off ``sys.meta_path`` and calls
+    ``install()`` (so a model compiled outside every scope, with Keras imported after the
+    strategy was made, is still refused by ``fit``). A probe (``importlib.util.find_spec``)
+    that loads nothing leaves it armed; Keras's own loader is never changed (a zip's loader
+    serves all of its modules)::
 
         strategy = ms.MultiWorkerMirroredStrategy()   # Keras not imported yet: armed
         import keras                                  # fit's guard installed here
     """
 
     def find_spec(self, name, path=None, target=None):
-        if name != "keras":
+        if name != "keras" or getattr(_LOCAL, "finding", False):
             return None
-        while self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)   # (the finders after us, as the import would)
-        loader = getattr(spec, "loader", None)
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        run = loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            install()
-
-        loader.exec_module = exec_module   # (this import's loader object only)
+        _LOCAL.finding = True
+        try:
+            spec = importlib.util.find_spec(name)   # (the finders after us answer)
+        finally:
+            _LOCAL.finding = False
+        if spec is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _InstallingLoader(spec.loader, self)
         return spec
+
+
+class _InstallingLoader(importlib.abc.Loader):
+    """Keras's loader, then ``install()``; everything else is Keras's loader's."""
+
+    def __init__(self, loader, finder):
+        self._loader, self._finder = loader, finder
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        while self._finder in sys.meta_path:
+            sys.meta_path.remove(self._finder)
+        install()
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
 
 
 def install() -> None:
@@ -95,10 +112,16 @@ def install() -> None:
     already imported. Each wrapper replaces the method on the Keras class that defines it,
     so ``keras.models.load_model`` still sees Keras's own ``compile`` and compiles.
     """
-    global _INSTALLED
     if _INSTALLED:
         return
-    import keras
+    import keras   # (outside the lock: Keras's import may call install() through our finder)
+    with _INSTALLING:   # one thread wraps (a second would wrap the wrappers: sums twice)
+        if not _INSTALLED:
+            _wrap(keras)
+
+
+def _wrap(keras) -> None:
+    global _INSTALLED
     compiles = _defining_class(keras.Model, "compile")
     original = compiles.compile
 

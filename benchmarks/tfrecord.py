@@ -15,8 +15,9 @@ it measures, page cache warm, best of 5:
 * ``ms``: ``TFRecordDataset(files).batch(B)`` on one process, then
   ``experimental_distribute_dataset`` under DATA and FILE at N ranks (global batch B), with the
   record indexes cached (their first build is timed separately);
-* ``read_parse``: the same with ``.batch(B).map(parse_example)`` (the workload's features), ours at 1 process and distributed under DATA (each rank parses only
-  its rows of a global batch), tf.data's with a plain and an ``AUTOTUNE`` map;
+* ``read_parse``: the same with ``.batch(B).map(parse_example)`` (the workload's features),
+  ours at 1 process and distributed under DATA (each rank parses only its rows of a global
+  batch), each with a plain and an ``AUTOTUNE`` map, as tf.data's;
 * ``parse``: ``ms.io.parse_example`` per record of one batch, and in a subprocess without
   protobuf and google-crc32c, and CRC-32C rates.
 
@@ -181,9 +182,11 @@ def subprocess_json(python, script, *args):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def parsed(dataset):
-    """``batch().map(parse_example)``: each rank parses only its rows of a global batch."""
-    return dataset.map(lambda records: ms.io.parse_example(records, FEATURES), vectorized=True)
+def parsed(dataset, parallel=None):
+    """``batch().map(parse_example)``: each rank parses only its rows of a global batch
+    (``parallel``: ``num_parallel_calls``, as tf.data's ``AUTOTUNE``)."""
+    return dataset.map(lambda records: ms.io.parse_example(records, FEATURES), vectorized=True,
+                       num_parallel_calls=parallel)
 
 
 def distributed_epoch(strategy, paths, batch, policy, parse=False):
@@ -191,7 +194,8 @@ def distributed_epoch(strategy, paths, batch, policy, parse=False):
     options.experimental_distribute.auto_shard_policy = policy
     reader = ms.data.TFRecordDataset(paths)
     dataset = reader.batch(batch)
-    dataset = parsed(dataset) if parse else dataset
+    dataset = parsed(dataset, ms.data.AUTOTUNE if parse == "autotune" else None) if parse \
+        else dataset
     count = 0
     for step in strategy.experimental_distribute_dataset(dataset.with_options(options)):
         count += len(step["label"].values[0] if parse else step.values[0])
@@ -231,6 +235,9 @@ def main():
         record["ms_1process_seconds"] = single
         record["ms_1process_read_parse_seconds"] = best_of(lambda: sum(
             len(b["label"]) for b in parsed(ms.data.TFRecordDataset(paths).batch(args.batch))))
+        record["ms_1process_read_parse_autotune_seconds"] = best_of(lambda: sum(
+            len(b["label"]) for b in parsed(ms.data.TFRecordDataset(paths).batch(args.batch),
+                                            ms.data.AUTOTUNE)))
         batch = next(iter(ms.data.TFRecordDataset(paths).batch(args.batch)))
         parse = best_of(lambda: ms.io.parse_example(batch, FEATURES))
         record["ms_parse_per_record_us"] = parse / len(batch) * 1e6
@@ -242,7 +249,7 @@ def main():
     comm.Barrier()
     strategy = ms.MultiWorkerMirroredStrategy()
     runs = [(ms.data.AutoShardPolicy.DATA, False), (ms.data.AutoShardPolicy.FILE, False),
-            (ms.data.AutoShardPolicy.DATA, True)]
+            (ms.data.AutoShardPolicy.DATA, True), (ms.data.AutoShardPolicy.DATA, "autotune")]
     for policy, parse in runs:
         distributed_epoch(strategy, paths, args.batch, policy, parse)   # warm
         times, counts, reader = [], 0, None
@@ -252,7 +259,8 @@ def main():
             reader, count = distributed_epoch(strategy, paths, args.batch, policy, parse)
             times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
             counts = comm.allreduce(count)
-        name = policy.name.lower() + ("_read_parse" if parse else "")
+        name = policy.name.lower() + ("_read_parse" if parse else "") + \
+            ("_autotune" if parse == "autotune" else "")
         record[f"ms_{name}_seconds"] = min(times)
         record[f"ms_{name}_records"] = counts
         if policy is ms.data.AutoShardPolicy.DATA and not parse:
@@ -271,7 +279,8 @@ def main():
             record["tf_data_records_per_s"] = tf_rate
             for key in ("ms_1process", "ms_data", "ms_file"):
                 record[f"{key}_vs_tf_data_rate"] = record[f"{key}_records_per_s"] / tf_rate
-            for key in ("ms_1process_read_parse", "ms_data_read_parse"):   # time ratios
+            for key in ("ms_1process_read_parse", "ms_data_read_parse",   # time ratios
+                        "ms_1process_read_parse_autotune", "ms_data_read_parse_autotune"):
                 for tf_key in ("read_parse", "read_parse_autotune"):
                     if f"{tf_key}_seconds" in tf_data:
                         record[f"{key}_vs_tf_{tf_key}_time"] = \

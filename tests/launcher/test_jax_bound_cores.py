@@ -63,7 +63,11 @@ except Exception as err:
 def test_ranks_whose_meshes_differ_in_devices_are_refused_by_name(launch):
     done = launch(2, COUNTS, limit=120)
     lines = [line for line in done.output.splitlines() if line.startswith("rank ")]
-    assert len(lines) == 2, done
+    assert lines and not [line for line in lines if " got " in line], done   # no values
     for line in lines:
         assert " raised " in line and "ranks are in different collectives" in line, done
-        assert "(ms.nn, 2 devices per rank)" in line and "(ms.nn, 4 devices per rank)" in line
+    # every rank's callback names both counts (JAX raises it in the step, or, when its
+    # devices' calls failed before the step was waited on, at the process's exit)
+    named = "rank 0 calls all_reduce MEAN (ms.nn, 2 devices per rank); rank 1 calls " \
+            "all_reduce MEAN (ms.nn, 4 devices per rank)"
+    assert done.output.count(named) >= 2, done

@@ -11,6 +11,7 @@ with the rank, then call ``MPI_Abort`` so that ``mpirun`` ends every rank::
 
 import sys
 import threading
+import time
 import traceback
 
 from mpi4py import MPI
@@ -32,6 +33,9 @@ def tag_lines(text: str, tag: str) -> str:
     return "".join(f"{tag} {line}" for line in text.splitlines(keepends=True))
 
 
+_FORWARD_SECONDS = 0.25
+
+
 def abort_job(exc_type, exc, tb, where: str = "") -> None:
     """Print the traceback tagged with this rank, then abort every rank."""
     rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
@@ -43,7 +47,8 @@ def abort_job(exc_type, exc, tb, where: str = "") -> None:
         sys.stderr.write(tag_lines(header + text, tag))
         sys.stderr.flush()
         sys.stdout.flush()
-    finally:
+        time.sleep(_FORWARD_SECONDS)   # the launcher forwards what was written before the
+    finally:                           # abort ends its readers (MPICH's Hydra dropped it)
         MPI.COMM_WORLD.Abort(1)
 
 

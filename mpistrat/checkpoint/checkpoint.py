@@ -292,15 +292,20 @@ class Checkpoint:
         a Keras optimizer) restores them right after it is built."""
         if not self._pending or not getattr(slots, "unbuilt", None):
             return
+        built = self._when_built()
+        for obj in slots.unbuilt:
+            install_build_hook(obj, id(self), built)
+
+    def _when_built(self):
+        """What a build hook runs: apply this checkpoint's pending values, if it still
+        exists (the hook holds it weakly) and has any."""
         ref = weakref.ref(self)
 
         def built():
             checkpoint = ref()
             if checkpoint is not None and checkpoint._pending:
                 checkpoint._apply_pending()
-
-        for obj in slots.unbuilt:
-            install_build_hook(obj, id(self), built)
+        return built
 
     def _refresh(self, saved):
         """Apply pending values to the graph as it is now; the objects now without a value

@@ -23,7 +23,6 @@ an object holds (``__dict__``, ``__slots__``, list items, mapping items and a ne
 """
 
 import re
-import weakref
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -185,13 +184,7 @@ def hook_unbuilt(checkpoint, graph: Optional[ObjectGraph], named: Dict[str, Any]
     our walk does not reach it (a model's ``optimizer`` under a model given as the root)."""
     if graph is None:
         return
-    ref = weakref.ref(checkpoint)
-
-    def built():
-        held = ref()
-        if held is not None and held._pending:
-            held._apply_pending()
-
+    built = checkpoint._when_built()
     seen: Set[int] = set()
     for obj in bind(graph, named, checkpoint._root).nodes.values():
         if id(obj) in seen or not type(obj).__module__.startswith("keras"):

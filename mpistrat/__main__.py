@@ -16,7 +16,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 from mpistrat.runtime.local_facts import gpu_facts, jax_facts, package_version, printable
 

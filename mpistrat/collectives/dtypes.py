@@ -36,7 +36,7 @@ MPI reduces only its own types. Everything else is decided here, in one place:
 
 import functools
 import operator
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 

@@ -23,8 +23,10 @@ if _sys.argv[:2] == ["-m", "doctor"]:   # python -m mpistrat doctor: h5py's MPI 
         refuse_doctor(foreign_h5py())
 from mpistrat import errors, nest
 from mpistrat.runtime import install_abort_hook as _install_abort_hook
+from mpistrat.runtime.jax_threads import widen_cpu_pool as _widen_cpu_pool
 
 _install_abort_hook()
+_widen_cpu_pool()   # JAX's CPU pool on a rank bound to one core: two threads (before JAX starts)
 
 from mpistrat import cluster_resolver, config  # noqa: E402
 from mpistrat.collectives import (CommunicationImplementation, CommunicationOptions,  # noqa: E402

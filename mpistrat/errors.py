@@ -20,6 +20,7 @@ __all__ = [
     "DataLossError",
     "AbortedError",
     "OutOfRangeError",
+    "FailedPreconditionError",
 ]
 
 
@@ -59,3 +60,8 @@ class OutOfRangeError(OpError, IndexError):
     """An iterator is past its end: ``DistributedIterator.get_next()`` after the last step
     (``next()`` raises ``StopIteration`` there, as in tf.data)."""
 
+
+
+class FailedPreconditionError(OpError, RuntimeError):
+    """The system is not in a state the operation needs (as ``tf.errors``), e.g. JAX's CPU
+    backend started with one thread before a host-callback collective could be made safe."""

@@ -35,6 +35,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 from mpistrat.errors import DeadlineExceededError
+from mpistrat.runtime import jax_threads
 
 __all__ = ["TRACED", "traced", "running", "inside", "settle", "gathered", "site", "Site",
            "RENDEZVOUS_SECONDS"]
@@ -46,7 +47,9 @@ _local = threading.local()
 
 
 def traced() -> None:
-    """Note that a collective was traced into a host callback: from now on ``settle`` waits."""
+    """Note that a collective was traced into a host callback: from now on ``settle`` waits.
+    Raises ``FailedPreconditionError`` where the callback could hang (``jax_threads``)."""
+    jax_threads.check_pool()
     TRACED[0] = True
 
 

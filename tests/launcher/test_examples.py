@@ -78,14 +78,7 @@ def test_multi_worker_custom_loop_resumes_at_another_width(tmp_path):
     assert want[3] < want[1], f"the loss did not fall: {whole}"
 
 
-# Ranks are not bound to one core each here: a rank whose process may use one core alone can
-# hang in a jitted step whose host callback reads its arguments (JAX's io_callback puts them
-# on the CPU device with work queued behind the running step; seen 1 run in 8 at one rank
-# bound to a core). Issue 44 names it; until it is fixed the example runs unbound.
-_UNBOUND = ("--bind-to", "none")
-
-
-def _horovod(ranks, directory, *flags, mpirun_args=_UNBOUND):
+def _horovod(ranks, directory, *flags, mpirun_args=()):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_", "PRTE_"))}
     env.update(PYTHONUNBUFFERED="1", KERAS_BACKEND="jax", PYTHONPATH=str(ROOT))
     done = subprocess.run([str(MPIRUN), "--limit", "240", *mpirun_args, "-n", str(ranks),

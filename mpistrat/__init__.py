@@ -45,7 +45,8 @@ from mpistrat import train  # noqa: E402
 from mpistrat import nn  # noqa: E402
 from mpistrat import preemption  # noqa: E402  (adds ms.distribute.experimental's handler)
 # model.fit under a scope (Keras optional: the hooks install once Keras is imported)
-from mpistrat import keras_hooks, keras_support  # noqa: E402,F401
+from mpistrat import keras  # noqa: E402,F401  (ms.keras: Keras itself is not imported)
+from mpistrat.keras import hooks as _keras_hooks  # noqa: E402,F401  (its scope hook)
 from mpistrat import distribute  # noqa: E402
 from mpistrat import data  # noqa: E402
 from mpistrat import io  # noqa: E402

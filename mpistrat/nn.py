@@ -274,7 +274,7 @@ def _checked(strategy, reduce_op, what: str):
         raise ValueError(f"{what}: no strategy given and none is current, but this "
                          f"job runs {get_world().size} ranks; pass the strategy "
                          f"({what}(strategy)) or call it inside strategy.scope()")
-    if getattr(strategy.extended, "variable_class", None) is not None:
+    if getattr(strategy.extended, "replicas_in_compiled_steps", False):
         raise ValueError(f"{what}: {type(strategy).__name__} runs its replicas "
                          f"inside compiled steps; aggregate with "
                          f"ms.get_replica_context().all_reduce inside strategy.run")

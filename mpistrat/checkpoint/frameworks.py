@@ -143,7 +143,7 @@ def _keras_children(obj: Any) -> Optional[Tuple[Children, bool]]:
         return None
     if hasattr(obj, "jax_state_sync"):
         obj.jax_state_sync()       # a model in fit: its variables hold what training holds
-    from mpistrat.keras_adapter import own_state
+    from mpistrat.keras.adapter import own_state
     own, generators, tracked = own_state(obj)
     children = _named_variables(own)
     for index, generator in enumerate(generators):
@@ -160,7 +160,7 @@ def _keras_children(obj: Any) -> Optional[Tuple[Children, bool]]:
 def _optimizer_children(optimizer) -> Children:
     children: Children = [("iterations", optimizer.iterations, None)]
     known = {id(optimizer.iterations)}
-    from mpistrat.keras_adapter import optimizer_state
+    from mpistrat.keras.adapter import optimizer_state
     rate, slots = optimizer_state(optimizer)
     if _keras_class("Variable") and isinstance(rate, _keras_class("Variable")):
         children.append(("learning_rate", rate, None))

@@ -363,7 +363,7 @@ def in_symbolic_build() -> bool:
     """Whether Keras is imported and runs inside a ``StatelessScope`` now."""
     if "keras" not in sys.modules:
         return False
-    from mpistrat.keras_adapter import in_stateless_scope
+    from mpistrat.keras.adapter import in_stateless_scope
     return in_stateless_scope()
 
 
@@ -371,8 +371,8 @@ def initial_values_only(slots, found: Dict[str, str]):
     """``(slots, found)`` for values applied while Keras builds a layer inside a symbolic run
     of its caller (a ``StatelessScope``: Keras drops what is assigned there). Only a Keras
     variable made in that run and not initialized yet can take a value, as its initial value
-    (``keras_adapter.set_initial_value``); every other value waits for a later build."""
-    from mpistrat.keras_adapter import set_initial_value
+    (``keras.adapter.set_initial_value``); every other value waits for a later build."""
+    from mpistrat.keras.adapter import set_initial_value
     kept: Dict[str, Slot] = {}
     for path in found:
         slot = slots[path]

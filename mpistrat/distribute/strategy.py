@@ -62,7 +62,7 @@ def add_scope_hook(hook: Callable[[], None]) -> None:
 
     Higher layers register here so that this layer never imports them::
 
-        add_scope_hook(keras_hooks.on_scope)   # done by mpistrat/keras_hooks.py
+        add_scope_hook(hooks.on_scope)   # done by mpistrat/keras/hooks.py
     """
     if hook not in _SCOPE_HOOKS:
         _SCOPE_HOOKS.append(hook)
@@ -70,6 +70,12 @@ def add_scope_hook(hook: Callable[[], None]) -> None:
 
 class StrategyExtended:
     """Lower-level facts and tools of a strategy (``strategy.extended``)."""
+
+    #: Whether the replicas are devices inside compiled steps (``TPUStrategy``: XLA
+    #: collectives in ``strategy.run``), not one replica per rank on the host. Code that runs
+    #: per rank on the host (Keras's ``fit``, ``ms.nn``'s host all-reduce, host-kept variable
+    #: values) asks this, not which variable class the strategy makes.
+    replicas_in_compiled_steps = False
 
     @property
     def _container_strategy(self) -> "Strategy":
@@ -167,7 +173,7 @@ class Strategy:
         _LIVE.add(self)
         if self._made_by_every_rank:
             _NEWEST_TIMEOUT[0] = engine.options.timeout_seconds
-        for hook in _SCOPE_HOOKS:   # e.g. keras_hooks: guard fit of models made before
+        for hook in _SCOPE_HOOKS:   # e.g. keras.hooks: guard fit of models made before
             hook()
 
     # -- facts ---------------------------------------------------------------
@@ -198,7 +204,7 @@ class Strategy:
             raise RuntimeError(
                 f"Mixing different strategies: {type(entry.strategy).__name__} is current, "
                 f"so the scope of this {type(self).__name__} cannot be entered inside it")
-        for hook in _SCOPE_HOOKS:   # e.g. keras_hooks: model.fit under a strategy
+        for hook in _SCOPE_HOOKS:   # e.g. keras.hooks: model.fit under a strategy
             hook()
         with entered(self, entry.replica_context if entry else None):
             yield self

@@ -85,6 +85,7 @@ class TPUStrategyExtended(StrategyExtended):
     """``strategy.extended`` of a ``TPUStrategy``: replicas are devices, shapes static."""
 
     variable_class = TPUVariable
+    replicas_in_compiled_steps = True
 
     def __init__(self, strategy, engine, worker_devices, topology):
         super().__init__(strategy, engine, worker_devices)

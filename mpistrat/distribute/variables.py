@@ -292,7 +292,7 @@ def _placement(strategy, value):
         import cupy
         return cupy
     extended = getattr(strategy, "extended", None)
-    if getattr(extended, "variable_class", None) is not None:
+    if getattr(extended, "replicas_in_compiled_steps", False):
         return np  # TPUStrategy keeps its own per-device JAX arrays
     if array_kind(value) == "jax":  # a JAX array stays one (on its device)
         import jax.numpy as jnp

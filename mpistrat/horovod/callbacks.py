@@ -16,7 +16,7 @@ import keras
 import numpy as np
 
 import mpistrat.horovod as hvd
-from mpistrat.keras_adapter import momentum_slots, reload_state
+from mpistrat.keras.adapter import momentum_slots, reload_state
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback"]

@@ -69,8 +69,8 @@ def DistributedOptimizer(optimizer: Any, name: str = None, device_dense: str = "
                                 f"optimizer that accumulates itself (gradient_accumulation_steps="
                                 f"{inner.gradient_accumulation_steps}) would accumulate twice; "
                                 f"give one of them")
-    from mpistrat import keras_hooks
-    keras_hooks.install()
+    from mpistrat.keras import hooks
+    hooks.install()
     return distributed.distribute(optimizer, reduction)
 
 
@@ -149,7 +149,7 @@ def load_model(filepath: Any, custom_optimizers: Any = None, custom_objects: Any
     if _is_h5(filepath):
         _restore_h5_optimizer(model, filepath)
     DistributedOptimizer(optimizer, compression=compression)
-    from mpistrat.keras_support import distribute_model
+    from mpistrat.keras.trainer import distribute_model
     distribute_model(model, strategy, per_rank_data=True)   # (as compile would have)
     return model
 
@@ -168,7 +168,7 @@ def _restore_h5_optimizer(model: Any, filepath: Any) -> None:
     import warnings
 
     import h5py
-    from mpistrat.keras_adapter import h5_optimizer_weights, rebuild_optimizer
+    from mpistrat.keras.adapter import h5_optimizer_weights, rebuild_optimizer
     optimizer = model.optimizer
     try:
         opened = filepath if isinstance(filepath, (h5py.File, h5py.Group)) else \

@@ -4,7 +4,7 @@ A Keras 3 optimizer given to ``hvd.DistributedOptimizer`` reduces the gradients 
 over the ranks before it applies them, wherever it is handed them:
 
 * ``model.fit`` of a model compiled with it: the distributed train step reduces them
-  (``keras_support.distribute_model``) and applies the result as it is (``reduced_here``);
+  (``keras.trainer.distribute_model``) and applies the result as it is (``reduced_here``);
 * a custom loop, ``optimizer.apply_gradients(zip(grads, variables))`` or
   ``optimizer.apply(grads, variables)`` (eager): reduced here, on the host;
 * ``optimizer.stateless_apply(...)`` in a loop of one's own (inside ``jax.jit`` too): reduced

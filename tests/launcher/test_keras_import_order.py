@@ -40,7 +40,7 @@ try:
     say(rank, "trained apart")
 except ValueError as err:
     say(rank, "refused:", str(err).split(":")[0])
-ms.keras_support.distribute_model(model, strategy)   # the fix the refusal names
+ms.keras.distribute_model(model, strategy)   # the fix the refusal names
 model.fit(x, y, batch_size=4, verbose=0)
 kernel = np.asarray(model.weights[0].value)
 same = strategy.gather(kernel[None], axis=0)

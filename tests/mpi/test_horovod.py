@@ -102,7 +102,7 @@ def test_distributed_optimizer_trains_like_one_process_on_the_union_of_the_batch
     shards = [np.arange(48)[k::n] for k in range(n)]
     order = np.concatenate([np.concatenate([s[b * BATCH:(b + 1) * BATCH] for s in shards])
                             for b in range(len(shards[0]) // BATCH)])
-    alone = ms.keras_support.train_alone(model_with(keras.optimizers.SGD(0.05), seed=0))
+    alone = ms.keras.train_alone(model_with(keras.optimizers.SGD(0.05), seed=0))
     want = alone.fit(x[order], y[order], batch_size=BATCH * n, epochs=2, shuffle=False,
                      verbose=0)
     for got, expected in zip(weights(model), weights(alone)):

@@ -67,7 +67,7 @@ def same_on_every_rank(strategy, values):
 @functools.lru_cache(maxsize=None)
 def reference(epochs):
     """One process, no strategy, the same global batches (built once per run)."""
-    model = ms.keras_support.train_alone(build())
+    model = ms.keras.train_alone(build())
     x, y = data()
     history = model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
     return model, history
@@ -163,7 +163,7 @@ def test_checkpoint_manager_mid_fit_resumes_exactly(world, shared_dir):
 @pytest.mark.mpi(min_size=1)
 def test_each_rank_trains_on_its_rebatch_slice(world):
     from mpistrat.data.rebatch import rebatch_slices
-    from mpistrat.keras_support import _RankShare
+    from mpistrat.keras.trainer import _RankShare
     x, y = data()
     share = _RankShare((x, y), BATCH, world.rank, world.size, False, 0)
     seen = [share[i] for i in range(len(share))]
@@ -355,7 +355,7 @@ def test_an_empty_replica_of_a_summed_loss_adds_no_activity_or_add_loss_terms(wo
               epochs=1, shuffle=False, verbose=0)
     model.optimizer.learning_rate.assign(0.1)
     model.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0)
-    alone = ms.keras_support.train_alone(make(min(2, world.size) / world.size,
+    alone = ms.keras.train_alone(make(min(2, world.size) / world.size,
                                               1.0 / world.size))
     alone.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0)
     for got, want in zip(weights(model), weights(alone)):
@@ -372,7 +372,7 @@ def test_validation_split_holds_out_the_last_rows_as_one_process_does(world):
         model = build()
     history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                         validation_split=0.25)
-    single = ms.keras_support.train_alone(build())
+    single = ms.keras.train_alone(build())
     want = single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                       validation_split=0.25)
     for key in ("loss", "val_loss"):
@@ -402,16 +402,16 @@ def test_sync_batch_normalization_trains_as_one_process_on_the_global_batch(worl
     strategy = ms.MultiWorkerMirroredStrategy()
     x, y = data()
     with strategy.scope():
-        model = build_normalized(ms.keras_support.SyncBatchNormalization)
+        model = build_normalized(ms.keras.SyncBatchNormalization)
     model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
-    single = ms.keras_support.train_alone(build_normalized(keras.layers.BatchNormalization))
+    single = ms.keras.train_alone(build_normalized(keras.layers.BatchNormalization))
     single.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
     for got, want in zip(weights(model), weights(single)):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
     same_on_every_rank(strategy, weights(model))
     np.testing.assert_allclose(model.predict(x, verbose=0), single.predict(x, verbose=0),
                                rtol=2e-5, atol=2e-6)
-    from mpistrat.keras_sync_bn import synchronizes
+    from mpistrat.keras.sync_bn import synchronizes
     with strategy.scope():       # a clone (or a loaded model) keeps synchronising
         clone = keras.models.clone_model(model)
     assert synchronizes(clone) == (world.size > 1)
@@ -440,9 +440,9 @@ def rebatch_slice(rows, world):
 def synchronized_bn(strategy):
     """A built SyncBatchNormalization on its synchronised path at any width (at 1 rank it
     would otherwise be Keras's own layer)."""
-    from mpistrat.keras_sync_bn import _STRATEGY_OF
+    from mpistrat.keras.sync_bn import _STRATEGY_OF
     with strategy.scope():
-        layer = ms.keras_support.SyncBatchNormalization()
+        layer = ms.keras.SyncBatchNormalization()
     _STRATEGY_OF[layer] = strategy
     layer.build((None, len(OFFSETS)))
     return layer
@@ -602,7 +602,7 @@ def test_fit_of_a_model_compiled_outside_the_scope_is_refused_on_every_rank(worl
                                          r"MultiWorkerMirroredStrategy of \d replicas"):
         model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     assert all(np.array_equal(a, b) for a, b in zip(before, weights(model)))  # nothing trained
-    ms.keras_support.distribute_model(model, strategy)       # the fix the error names
+    ms.keras.distribute_model(model, strategy)       # the fix the error names
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
     same_on_every_rank(strategy, weights(model))
 

@@ -98,7 +98,7 @@ def test_dropout_seeds_advance_alike_with_an_empty_replica(world, shared_dir):
         return model
 
     _, after = fit_and_restore(world, strategy, build, shared_dir, "dropout")
-    alone = ms.keras_support.train_alone(build())
+    alone = ms.keras.train_alone(build())
     alone.fit(*data(), batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     for key, value in state(alone).items():   # (the seed generator: one step per batch)
         assert value.tobytes() == after[key].tobytes(), key

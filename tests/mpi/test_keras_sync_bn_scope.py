@@ -44,11 +44,11 @@ def weights(model):
 def test_a_model_built_before_the_scope_synchronises_once_compiled_in_it(world):
     strategy = ms.MultiWorkerMirroredStrategy()
     x, y = data()
-    model = layers(ms.keras_support.SyncBatchNormalization)       # outside the scope
+    model = layers(ms.keras.SyncBatchNormalization)       # outside the scope
     with strategy.scope():
         model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    single = ms.keras_support.train_alone(layers(keras.layers.BatchNormalization))
+    single = ms.keras.train_alone(layers(keras.layers.BatchNormalization))
     single.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
     single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     for got, want in zip(weights(model), weights(single)):
@@ -58,11 +58,11 @@ def test_a_model_built_before_the_scope_synchronises_once_compiled_in_it(world):
 @pytest.mark.mpi(min_size=2)
 def test_training_it_with_nothing_distributed_in_a_job_of_several_ranks_is_refused(world):
     x, _ = data()
-    model = layers(ms.keras_support.SyncBatchNormalization)
+    model = layers(ms.keras.SyncBatchNormalization)
     with pytest.raises(ValueError, match=r"made outside strategy.scope\(\).*this replica's "
                                          r"rows only"):
         model(x, training=True)
-    per_replica = layers(lambda **kw: ms.keras_support.SyncBatchNormalization(
+    per_replica = layers(lambda **kw: ms.keras.SyncBatchNormalization(
         synchronized=False, **kw))                                 # asked for: no refusal
     assert per_replica(x, training=True).shape == (ROWS, 2)
     assert per_replica.layers[1].get_config()["synchronized"] is False

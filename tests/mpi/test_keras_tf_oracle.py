@@ -96,7 +96,7 @@ def test_a_summed_loss_trains_and_logs_as_tensorflow(world, run, rows, epochs):
     assert_history(history.history, want["history"])
     same_on_every_rank(strategy, model.get_weights())
     if world.size == 1:   # one replica: exactly one process's numbers
-        alone = ms.keras_support.train_alone(summed_model())
+        alone = ms.keras.train_alone(summed_model())
         alone_history = alone.fit(x, y, batch_size=6, epochs=epochs, shuffle=False, verbose=0)
         for got, expected in zip(model.get_weights(), alone.get_weights()):
             assert got.tobytes() == expected.tobytes()
@@ -112,7 +112,7 @@ def test_a_summed_loss_evaluates_as_tensorflow_logs_it(world):
     with strategy.scope():
         model = summed_model()
     got = model.evaluate(x, y, batch_size=6, verbose=0, return_dict=True)
-    alone = ms.keras_support.train_alone(summed_model())
+    alone = ms.keras.train_alone(summed_model())
     want = alone.evaluate(x, y, batch_size=6, verbose=0, return_dict=True)
     np.testing.assert_allclose(got["loss"], want["loss"], **LOSS)
     np.testing.assert_allclose(got["mae"], want["mae"], **LOSS)

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2] / "mpistrat"
 LAYERS = {
     "mpistrat.errors": 0, "mpistrat.nest": 0, "mpistrat.partition": 0,
     "mpistrat.tfformats": 0, "mpistrat.io": 0,
-    "mpistrat.keras_adapter": 0,   # Keras's private names, behind one adapter (imports Keras only)
+    "mpistrat.keras.adapter": 0,   # Keras's private names, behind one adapter (imports Keras only)
     "mpistrat.runtime": 1, "mpistrat.cluster_resolver": 1, "mpistrat.cluster_spec": 0, "mpistrat.config": 1,
     "mpistrat.tpu": 1,
     "mpistrat.collectives": 2,
@@ -21,6 +21,7 @@ LAYERS = {
     "mpistrat.data": 2.5,   # datasets, below the strategies (distribute/input_lib.py distributes them)
     "mpistrat.checkpoint": 5, "mpistrat.train": 5, "mpistrat.nn": 5,
     "mpistrat.preemption": 5.5,
+    "mpistrat.keras": 6,   # Keras's fit under a strategy (its adapter above is layer 0)
     "mpistrat.__main__": 6, "mpistrat": 6,            # the package's __init__ ties all together
 }
 

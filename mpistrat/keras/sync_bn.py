@@ -2,7 +2,7 @@
 
 Keras 3 refuses ``BatchNormalization(synchronized=True)`` outside TensorFlow ("only supported
 with the TensorFlow backend"); under a strategy each replica would normalise with its own
-rows' statistics. ``ms.keras_support.SyncBatchNormalization`` (the same arguments) computes, in
+rows' statistics. ``ms.keras.SyncBatchNormalization`` (the same arguments) computes, in
 training, the mean and variance of the whole global batch, as TensorFlow's synchronized
 layer does, in two passes (two all-reduces per layer and step, in the ordered host callback
 of ``ms.nn``; a replica without rows joins both): each replica's sums and count are summed
@@ -19,7 +19,7 @@ moving statistics, as always::
     strategy = ms.MultiWorkerMirroredStrategy()
     with strategy.scope():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
-                                  ms.keras_support.SyncBatchNormalization(),  # was
+                                  ms.keras.SyncBatchNormalization(),  # was
                                   keras.layers.Dense(1)])  # BatchNormalization(synchronized=True)
 
 Made inside a strategy's scope of several replicas it synchronises over that strategy;

@@ -9,7 +9,7 @@ the method on the Keras class that defines it (so ``keras.models.load_model``, w
 that ``compile`` is Keras's own, still compiles the models it loads):
 
 * ``compile`` inside ``strategy.scope()`` distributes the model
-  (``keras_support.distribute_model``), and so does a compile with an optimizer from
+  (``trainer.distribute_model``), and so does a compile with an optimizer from
   ``mpistrat.horovod.DistributedOptimizer`` (each rank its own rows; such an optimizer
   reduces the gradients it is handed in custom loops itself: ``horovod/optimizer.py``);
 * a Keras optimizer's ``apply_gradients`` inside ``strategy.run`` of several replicas sums
@@ -27,7 +27,7 @@ that ``compile`` is Keras's own, still compiles the models it loads):
   rank and average nothing, silently (a model compiled outside the scope, or before the
   strategy was made). ``train_alone(model)`` says that is meant::
 
-      reference = ms.keras_support.train_alone(model)   # this rank alone, on purpose
+      reference = ms.keras.train_alone(model)   # this rank alone, on purpose
       reference.fit(x, y)
 """
 
@@ -37,7 +37,7 @@ import sys
 import threading
 from typing import Any
 
-from mpistrat.keras_context import global_metrics, holds_global_sums, train_alone  # noqa: F401
+from mpistrat.keras.context import global_metrics, holds_global_sums, train_alone  # noqa: F401
 
 __all__ = ["install", "on_scope", "refuse_undistributed_fit", "train_alone", "global_metrics"]
 
@@ -130,9 +130,9 @@ def _wrap(keras) -> None:
         from mpistrat.distribute.context import get_strategy, has_strategy
         strategy = get_strategy() if has_strategy() else None
         # TPUStrategy (replicas inside compiled steps) is left to custom loops
-        from mpistrat.keras_support import distribute_model
+        from mpistrat.keras.trainer import distribute_model
         if (strategy is not None and keras.backend.backend() == "jax"
-                and getattr(strategy.extended, "variable_class", None) is None):
+                and not strategy.extended.replicas_in_compiled_steps):
             distribute_model(self, strategy)
         elif strategy is None and _horovod_strategy(self.optimizer) is not None:
             # hvd.DistributedOptimizer (maybe inside Keras's LossScaleOptimizer, which then
@@ -198,7 +198,7 @@ def _noting_init(original):
         from mpistrat.distribute.context import get_strategy, has_strategy
         strategy = get_strategy() if has_strategy() else None
         if strategy is not None and strategy.num_replicas_in_sync > 1 and \
-                getattr(strategy.extended, "variable_class", None) is None:
+                not strategy.extended.replicas_in_compiled_steps:
             self._mpistrat_sync_on_read = strategy
 
     __init__.__doc__ = original.__doc__
@@ -274,7 +274,7 @@ def refuse_undistributed_fit(model: Any) -> None:
         return
     from mpistrat.distribute.strategy import live_strategies
     several = [s for s in live_strategies() if s.num_replicas_in_sync > 1
-               and getattr(s.extended, "variable_class", None) is None]
+               and not s.extended.replicas_in_compiled_steps]
     if several:
         strategy = several[-1]
         raise ValueError(
@@ -282,8 +282,8 @@ def refuse_undistributed_fit(model: Any) -> None:
             f"while a {type(strategy).__name__} of {strategy.num_replicas_in_sync} replicas "
             f"exists: fit would train a separate copy on every rank and average nothing. "
             f"Compile it inside `with strategy.scope():` (build it there too, or call "
-            f"ms.keras_support.distribute_model(model, strategy) after compiling; or, to "
-            f"train on each rank alone on purpose, ms.keras_support.train_alone(model))")
+            f"ms.keras.distribute_model(model, strategy) after compiling; or, to "
+            f"train on each rank alone on purpose, ms.keras.train_alone(model))")
 
 
 def _register() -> None:

@@ -42,7 +42,7 @@ train step:
 
 Tested against Keras 3.15.1 (the newest; ``pyproject.toml`` allows 3.10 and later)::
 
-    >>> from mpistrat.keras_adapter import TESTED
+    >>> from mpistrat.keras.adapter import TESTED
     >>> TESTED
     '3.15.1'
 """
@@ -62,7 +62,7 @@ def _missing(what: str) -> RuntimeError:
     import keras
     return RuntimeError(
         f"Keras {keras.__version__} has no {what}, which mpistrat's Keras support needs "
-        f"(tested with Keras {TESTED}; mpistrat/keras_adapter.py is the one place that uses "
+        f"(tested with Keras {TESTED}; mpistrat/keras/adapter.py is the one place that uses "
         f"Keras's private API)")
 
 

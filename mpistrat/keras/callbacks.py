@@ -40,7 +40,7 @@ def _share_restored(model, engine) -> None:
     ``_initial_epoch``, which ``BackupAndRestore`` sets), the model's variables and, when rank
     0's optimizer holds state, the optimizer's (built here first where it is not yet)."""
     import numpy as np
-    from mpistrat.keras_adapter import initial_epoch, set_initial_epoch
+    from mpistrat.keras.adapter import initial_epoch, set_initial_epoch
     optimizer = getattr(model, "optimizer", None)
     epoch, built = engine.broadcast_object(
         (initial_epoch(model), bool(getattr(optimizer, "built", False))), 0)
@@ -150,7 +150,7 @@ def for_fit(model: Any, strategy: Any, callbacks: Optional[Sequence],
         restored there): rank 0's epoch, weights and optimizer on every rank."""
 
         def on_train_begin(self, logs=None):
-            from mpistrat.keras_adapter import initial_epoch
+            from mpistrat.keras.adapter import initial_epoch
             settle()   # (host callbacks' collectives first: these are MPI's own calls)
             if engine.broadcast_object(initial_epoch(model) is not None, 0):   # (restored)
                 _share_restored(model, engine)

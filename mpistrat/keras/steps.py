@@ -5,7 +5,7 @@ all-reduce per step (``ms.nn.all_reduce_gradients``)::
 
     train_step, test_step = make_steps(model, strategy, per_rank_data=False)
 
-* Gradients, by the loss's rule (``keras_checks.loss_rule``): ``"rows"`` (every loss a mean,
+* Gradients, by the loss's rule (``checks.loss_rule``): ``"rows"`` (every loss a mean,
   Keras's default ``sum_over_batch_size``): each replica's gradient weighted by its rows and
   the sum divided by the global batch's rows, the gradient one process computes on the global
   batch; ``"replicas"`` (a loss with ``reduction="sum"``): TensorFlow's rule under a strategy
@@ -36,7 +36,7 @@ all-reduce per step (``ms.nn.all_reduce_gradients``)::
 from typing import Any
 
 from mpistrat.horovod.optimizer import reduced_here
-from mpistrat.keras_checks import _rows, loss_rule
+from mpistrat.keras.checks import _rows, loss_rule
 
 __all__ = ["make_steps"]
 
@@ -84,7 +84,7 @@ def make_steps(model: Any, strategy: Any, per_rank_data: bool, synchronized: boo
     import jax.numpy as jnp
     import keras
     from keras.utils import unpack_x_y_sample_weight
-    from mpistrat.keras_adapter import (replica_losses, update_metrics,
+    from mpistrat.keras.adapter import (replica_losses, update_metrics,
                                         weight_regularisation_loss)
     from mpistrat.nn import all_reduce_gradients
 

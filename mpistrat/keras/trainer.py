@@ -18,7 +18,7 @@ What changes for a compiled model (instance attributes; the Keras classes are un
   (``mpistrat.data.rebatch.rebatch_slices``: ``ceil(B/N)`` rows per replica, later replicas
   may get 0 rows). ``shuffle=True`` permutes the rows once per epoch with the same seeded
   order on every rank (seed ``keras_shuffle_seed``, default 0).
-* The train step (``keras_steps.py``) weights each replica's gradient by its row count and
+* The train step (``steps.py``) weights each replica's gradient by its row count and
   sums over the ranks (one ordered host all-reduce per step, ``ms.nn.all_reduce_gradients``),
   so the update is the gradient of the loss averaged over the global batch, as one process
   would compute it. A loss with ``reduction="sum"`` follows TensorFlow's rule instead (each
@@ -42,8 +42,8 @@ What changes for a compiled model (instance attributes; the Keras classes are un
 * Non-trainable state the step writes (BatchNormalization's moving statistics, renorm's
   too) is averaged over the ranks that had rows at each step: the mean of the copies each
   replica would keep (the update is linear), the same on every rank, so a checkpoint takes it;
-  seed generators advance alike everywhere (``keras_steps.py``).
-  ``SyncBatchNormalization`` (``keras_sync_bn.py``) normalises with the global batch's
+  seed generators advance alike everywhere (``steps.py``).
+  ``SyncBatchNormalization`` (``sync_bn.py``) normalises with the global batch's
   statistics instead, as ``BatchNormalization(synchronized=True)`` does in TensorFlow.
 
 Not done: metrics whose state is not a sum (e.g. ``max``) are wrong. An ``ms``
@@ -52,7 +52,7 @@ epoch as it is (it already gives each rank its share and stops on the same step 
 Python generators and other inputs are passed to Keras unchanged and must do the same, except
 under ``mpistrat.horovod``, where each rank's generator yields a batch only when every rank's
 has one, and ranks whose generators run dry at different steps raise, naming each rank's count
-(``keras_checks.agreed_batches``).
+(``checks.agreed_batches``).
 """
 
 import math
@@ -60,22 +60,23 @@ from typing import Any
 
 import numpy as np
 
-from mpistrat.keras_callbacks import for_fit
-from mpistrat.keras_checks import (_is_arrays, _rows, _split_off, agreed_batches,
+from mpistrat.keras.callbacks import for_fit
+from mpistrat.keras.checks import (_is_arrays, _rows, _split_off, agreed_batches,
                                    loss_rule, same_arrays_everywhere, same_steps_everywhere)
-from mpistrat.keras_context import global_metrics
-from mpistrat.keras_context import train_alone  # noqa: F401  (ms.keras_support.train_alone)
-from mpistrat.keras_steps import _horovod_reduction, make_steps
-from mpistrat.keras_sync_bn import bind as bind_sync_bn, synchronizes
+from mpistrat.keras.context import global_metrics
+from mpistrat.keras.context import train_alone  # noqa: F401  (ms.keras.train_alone)
+from mpistrat.keras.steps import _horovod_reduction, make_steps
+from mpistrat.keras.sync_bn import bind as bind_sync_bn, synchronizes
 
-__all__ = ["distribute_model", "mirror_weights", "train_alone", "SyncBatchNormalization"]
+__all__ = ["distribute_model", "DistributedTrainer", "mirror_weights", "train_alone",
+           "SyncBatchNormalization"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "SyncBatchNormalization":   # (Keras is imported only when it is asked for)
-        from mpistrat.keras_sync_bn import sync_batch_normalization_class
+        from mpistrat.keras.sync_bn import sync_batch_normalization_class
         return sync_batch_normalization_class()
-    raise AttributeError(f"module 'mpistrat.keras_support' has no attribute {name!r}")
+    raise AttributeError(f"module 'mpistrat.keras.trainer' has no attribute {name!r}")
 
 class _RankShare:
     """This rank's slice of every global batch of NumPy arrays (a ``keras.utils.PyDataset``)."""
@@ -121,7 +122,7 @@ class _RankShare:
 def _epochs_of(dataset):
     """A Keras data adapter that iterates an ``ms`` distributed dataset afresh each epoch."""
     from mpistrat.distribute.values import DistributedValues
-    from mpistrat.keras_adapter import each_epoch
+    from mpistrat.keras.adapter import each_epoch
 
     def local(value):   # one replica per rank: the PerReplica's only component
         if isinstance(value, DistributedValues):
@@ -141,8 +142,8 @@ def _own_epochs(strategy, dataset, what: str):
     per-rank data), iterated afresh each epoch; before each batch the ranks agree that each
     has one (``agreed_batches``), so datasets of different lengths raise on every rank naming
     each rank's count instead of leaving some waiting in the gradient all-reduce."""
-    from mpistrat.keras_adapter import each_epoch
-    from mpistrat.keras_checks import agreed_batches
+    from mpistrat.keras.adapter import each_epoch
+    from mpistrat.keras.checks import agreed_batches
     return each_epoch(lambda: agreed_batches(
         strategy, (batch for batch in dataset.as_numpy_iterator()), what))
 
@@ -162,7 +163,7 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
     """Make ``model`` (compiled, Keras 3 on JAX) train and evaluate data parallel under
     ``strategy``; done by ``compile`` inside ``strategy.scope()``. Returns ``model``::
 
-        ms.keras_support.distribute_model(model, strategy)   # compiled outside any scope
+        ms.keras.distribute_model(model, strategy)   # compiled outside any scope
 
     ``per_rank_data=True`` is Horovod's contract (``mpistrat.horovod``): the arrays each rank
     passes are its own rows and ``batch_size`` is its own batch; the ranks must make the same
@@ -173,24 +174,53 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
     factor reduces each rank's mean gradient by Horovod's rules, and one with
     ``backward_passes_per_step`` other than 1 is refused by name.
     """
-    import jax
-    from keras.utils import unpack_x_y_sample_weight
-    from mpistrat.runtime import get_world
-
-    if getattr(strategy.extended, "variable_class", None) is not None:
+    if strategy.extended.replicas_in_compiled_steps:
         raise ValueError(f"model.fit under {type(strategy).__name__} is not supported: its "
                          f"replicas are devices inside compiled steps; use a custom loop")
-    world = get_world()
     if getattr(model, "_mpistrat_strategy", None) is strategy:
         return model
-    cls = type(model)
-    bind_sync_bn(model, strategy)   # (layers made before the scope, or under hvd alone)
-    synchronized = synchronizes(model)
-    train_step, test_step = make_steps(model, strategy, per_rank_data, synchronized)
+    DistributedTrainer(model, strategy, per_rank_data).attach()
+    return model
 
-    def share(x, y, sample_weight, batch_size, shuffle, what="fit"):
+
+class DistributedTrainer:
+    """One model's data-parallel training under one strategy (made by ``distribute_model``):
+    its ``train_step``/``test_step`` (``steps.py``) and the ``fit``/``evaluate``/``predict``
+    that ``attach()`` puts on the model instance (the Keras class is untouched), each calling
+    the class's own with this rank's share of the data."""
+
+    def __init__(self, model: Any, strategy: Any, per_rank_data: bool = False):
+        from mpistrat.runtime import get_world
+        self.model, self.strategy, self.per_rank_data = model, strategy, per_rank_data
+        self.world = get_world()
+        self.cls = type(model)
+        bind_sync_bn(model, strategy)   # (layers made before the scope, or under hvd alone)
+        self.synchronized = synchronizes(model)
+        self.train_step, self.test_step = make_steps(model, strategy, per_rank_data,
+                                                     self.synchronized)
+
+    def attach(self) -> Any:
+        """Give the model this trainer's steps and ``fit``/``evaluate``/``predict`` (instance
+        attributes), and rank 0's weights if it is built (not under Horovod). Returns it."""
+        model = self.model
+        for name in ("train_step", "test_step", "fit", "evaluate", "predict"):
+            object.__setattr__(model, name, getattr(self, name))
+        model.train_function = model.test_function = None
+        model._mpistrat_strategy = self.strategy
+        if model.built and not self.per_rank_data:
+            # weights made in the scope start alike on every rank (rank 0's); under Horovod
+            # nothing is sent here (BroadcastGlobalVariablesCallback does it)
+            mirror_weights(model, self.strategy)
+            model._mpistrat_mirrored = True
+        return model
+
+    def share(self, x, y, sample_weight, batch_size, shuffle, what="fit"):
+        """``(x, y, sample_weight, batch_size)`` as this rank hands them to Keras: NumPy
+        arrays as a ``PyDataset`` of this rank's rebatch slices, ``ms`` datasets as a
+        per-epoch data adapter, anything else as it is."""
         from mpistrat.data.dataset import Dataset
         from mpistrat.distribute.input_lib import DistributedDataset
+        strategy, per_rank_data, world = self.strategy, self.per_rank_data, self.world
         if isinstance(x, Dataset) and not per_rank_data:   # as Keras under a TF strategy:
             x = strategy.experimental_distribute_dataset(x)   # batches of the global batch
         if isinstance(x, DistributedDataset):   # already this rank's share of each batch
@@ -200,7 +230,7 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
         if not _is_arrays(x):
             return x, y, sample_weight, batch_size
         arrays = tuple(a for a in (x, y, sample_weight) if a is not None)
-        seed = getattr(model, "keras_shuffle_seed", 0)
+        seed = getattr(self.model, "keras_shuffle_seed", 0)
         if per_rank_data:   # this rank's own rows, in batches of its own
             dataset = _RankShare(arrays, batch_size or 32, 0, 1, shuffle,
                                  seed * 65536 + world.rank)
@@ -209,9 +239,12 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
         dataset = _RankShare(arrays, batch_size or 32, world.rank, world.size, shuffle, seed)
         return dataset, None, None, None
 
-    def fit(x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
+    def fit(self, x=None, y=None, batch_size=None, epochs=1, verbose="auto", callbacks=None,
             validation_split=0.0, validation_data=None, shuffle=True, class_weight=None,
             sample_weight=None, **kwargs):
+        from keras.utils import unpack_x_y_sample_weight
+        model, strategy, per_rank_data = self.model, self.strategy, self.per_rank_data
+        synchronized = self.synchronized
         if validation_split and validation_data is None:   # (Keras: validation_data wins)
             x, y, sample_weight, validation_data = _split_off(x, y, sample_weight,
                                                               validation_split)
@@ -227,9 +260,9 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
         elif validation_data is not None and _is_arrays(validation_data):
             vx, vy, vw = unpack_x_y_sample_weight(validation_data)
             vbatch = kwargs.get("validation_batch_size") or batch_size
-            validation_data = share(vx, vy, vw, vbatch, False)[0]
+            validation_data = self.share(vx, vy, vw, vbatch, False)[0]
             kwargs.pop("validation_batch_size", None)
-        x, y, sample_weight, batch_size = share(x, y, sample_weight, batch_size, shuffle)
+        x, y, sample_weight, batch_size = self.share(x, y, sample_weight, batch_size, shuffle)
         if per_rank_data:
             horovod = _horovod_reduction(model.optimizer)
             if horovod is not None:
@@ -242,29 +275,33 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
                                       kwargs.get("validation_steps"), "validation")
         callbacks = for_fit(model, strategy, callbacks, mirror_weights, per_rank_data)
         with global_metrics():   # (its metrics hold the replicas' sums already)
-            return cls.fit(model, x, y, batch_size=batch_size, epochs=epochs,
-                           verbose=verbose, callbacks=callbacks,
-                           validation_data=validation_data, shuffle=False,
-                           class_weight=class_weight, sample_weight=sample_weight, **kwargs)
+            return self.cls.fit(model, x, y, batch_size=batch_size, epochs=epochs,
+                                verbose=verbose, callbacks=callbacks,
+                                validation_data=validation_data, shuffle=False,
+                                class_weight=class_weight, sample_weight=sample_weight,
+                                **kwargs)
 
-    def evaluate(x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
+    def evaluate(self, x=None, y=None, batch_size=None, verbose="auto", sample_weight=None,
                  **kwargs):
-        loss_rule(model, per_rank_data, synchronized)
+        model, cls = self.model, self.cls
+        loss_rule(model, self.per_rank_data, self.synchronized)
         if kwargs.get("_use_cached_eval_dataset"):
             with global_metrics():
                 return cls.evaluate(model, x, y, batch_size=batch_size, verbose=verbose,
                                     sample_weight=sample_weight, **kwargs)
-        x, y, sample_weight, batch_size = share(x, y, sample_weight, batch_size, False,
-                                                "evaluate")
-        if per_rank_data:
-            x = agreed_batches(strategy, x, "evaluate")
-            same_steps_everywhere(strategy, x, kwargs.get("steps"), "evaluate")
+        x, y, sample_weight, batch_size = self.share(x, y, sample_weight, batch_size, False,
+                                                     "evaluate")
+        if self.per_rank_data:
+            x = agreed_batches(self.strategy, x, "evaluate")
+            same_steps_everywhere(self.strategy, x, kwargs.get("steps"), "evaluate")
         with global_metrics():
             return cls.evaluate(model, x, y, batch_size=batch_size, verbose=verbose,
                                 sample_weight=sample_weight, **kwargs)
 
-    def predict(x, batch_size=None, verbose="auto", steps=None, callbacks=None):
-        if steps is not None or not _is_arrays(x) or per_rank_data:   # (not cut)
+    def predict(self, x, batch_size=None, verbose="auto", steps=None, callbacks=None):
+        import jax
+        model, cls, world = self.model, self.cls, self.world
+        if steps is not None or not _is_arrays(x) or self.per_rank_data:   # (not cut)
             return cls.predict(model, x, batch_size=batch_size, verbose=verbose, steps=steps,
                                callbacks=callbacks)
         from mpistrat.partition import even_ranges
@@ -278,14 +315,5 @@ def distribute_model(model: Any, strategy: Any, per_rank_data: bool = False) -> 
         mine = cls.predict(model, block, batch_size=batch_size,
                            verbose=verbose if world.rank == 0 else 0, callbacks=callbacks)
         mine = jax.tree_util.tree_map(lambda p: np.asarray(p)[:stop - start], mine)
-        return jax.tree_util.tree_map(np.asarray, strategy.extended.engine.all_gather(mine, 0))
-
-    for name, fn in (("train_step", train_step), ("test_step", test_step), ("fit", fit),
-                     ("evaluate", evaluate), ("predict", predict)):
-        object.__setattr__(model, name, fn)
-    model.train_function = model.test_function = None
-    model._mpistrat_strategy = strategy
-    if model.built and not per_rank_data:   # weights made in the scope start alike on every
-        mirror_weights(model, strategy)     # rank (rank 0's); under Horovod nothing is sent
-        model._mpistrat_mirrored = True     # here (BroadcastGlobalVariablesCallback does it)
-    return model
+        engine = self.strategy.extended.engine
+        return jax.tree_util.tree_map(np.asarray, engine.all_gather(mine, 0))

@@ -1,5 +1,5 @@
-"""What the Keras wrappers ask of the code around them, kept apart so that ``keras_hooks``
-(which distributes a model at compile) and ``keras_support`` (which distributes it) never
+"""What the Keras wrappers ask of the code around them, kept apart so that ``hooks``
+(which distributes a model at compile) and ``trainer`` (which distributes it) never
 import each other:
 
 * ``global_metrics()``: within it, metrics made in a scope already hold the replicas' global
@@ -47,7 +47,7 @@ def train_alone(model: Any) -> Any:
     """Let ``model.fit`` train this rank's copy alone, without the strategy (e.g. a reference
     run or a per-rank fine-tune), where a strategy of several replicas exists::
 
-        ms.keras_support.train_alone(model).fit(x, y)    # this rank only, nothing averaged
+        ms.keras.train_alone(model).fit(x, y)    # this rank only, nothing averaged
     """
     model._mpistrat_alone = True
     return model

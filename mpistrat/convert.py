@@ -26,9 +26,9 @@ what was converted.
 """
 
 import argparse
-import hashlib
 import os
 import sys
+from contextlib import closing
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -116,12 +116,12 @@ def _graph_to_keep(values, skipped_keys: set) -> Tuple[Optional[str], set]:
 
 
 def _tf_to_ours(prefix: str, dst: str, engine, skip: bool) -> Tuple[int, int, List[str]]:
-    from mpistrat.checkpoint.h5write import write_file
-    from mpistrat.checkpoint.files import data_file
-    from mpistrat.checkpoint.tf_checkpoints import open_values, read_collective
+    from mpistrat.checkpoint.formats import READERS, WRITERS
+    from mpistrat.checkpoint.tf_origin import TFOrigin
     from mpistrat.errors import InvalidArgumentError
     from mpistrat.tfformats.object_graph import GRAPH_KEY, VARIABLE_VALUE, drop_attributes
-    values = open_values(prefix, engine)
+    reader = READERS["tensorflow"].open(prefix, engine)
+    values = reader.values   # (TensorFlow's keys, collisions and graph decide what is kept)
     groups = _keys_by_path(values)
     collided = {path: keys for path, keys in groups.items() if len(keys) > 1}
     if collided:   # (one of our paths cannot hold two values)
@@ -160,57 +160,23 @@ def _tf_to_ours(prefix: str, dst: str, engine, skip: bool) -> Tuple[int, int, Li
     if graph_key is not None:
         wanted[_GRAPH] = values.index.entries[graph_key]
     read: Dict[str, np.ndarray] = {}
-    for batch in read_collective(wanted, engine):
-        read.update(batch)
+    with closing(reader.read(wanted)) as batches:
+        for batch in batches:
+            read.update(batch)
     kept = read.pop(_GRAPH, None)
     if kept is not None:
         kept = drop_attributes(kept[()], drop, f"{prefix}, key {GRAPH_KEY!r}")
-    write_file(data_file(dst), read, kinds, engine,
-               tf_names={p: n for p, n in full_names.items() if p in read},
-               tf_keys=keys, tf_graph=kept)
+    origin = TFOrigin({p: n for p, n in full_names.items() if p in read}, keys, kept)
+    WRITERS["mpistrat"](dst, engine, kinds, origin).write(read)
     return len(read), sum(v.nbytes for v in read.values()), listed
 
 
-def _tf_keys(catalog: Dict, final: str) -> Optional[Dict[str, str]]:
-    """The TensorFlow key of every value of a checkpoint converted from TensorFlow (``None``
-    for one of ours, or if any value lacks one); ``DataLossError`` if two values claim one
-    key, or a key TensorFlow could not hold."""
-    from mpistrat.errors import DataLossError
-    from mpistrat.tfformats.object_graph import GRAPH_KEY
-    keys = {path: entry.tf_key for path, entry in catalog.items()}
-    if not keys or not all(keys.values()):
-        return None
-    owner: Dict[str, str] = {}
-    for path, key in sorted(keys.items()):
-        if key == GRAPH_KEY or key.startswith("\x00"):
-            raise DataLossError(f"{final}, object {path!r}: TensorFlow key {key!r} is reserved")
-        if key in owner:
-            raise DataLossError(f"{final}: objects {owner[key]!r} and {path!r} both claim "
-                                f"TensorFlow key {key!r}")
-        owner[key] = path
-    return keys
-
-
-def _kept_graph(final: str) -> Optional[bytes]:
-    """The object graph kept by the conversion from TensorFlow (checked: a graph), or
-    ``None``. (Its keys are TensorFlow's: an attribute whose key the source lacked, as
-    TensorFlow's sharded writes leave out empty tensors, is kept as it was.)"""
-    from mpistrat.checkpoint.tf_origin import read_graph
-    from mpistrat.tfformats.object_graph import GRAPH_KEY, parse_graph
-    graph = read_graph(final)
-    if graph is not None:
-        parse_graph(graph, f"{final}, its kept {GRAPH_KEY}")
-    return graph
-
-
 def _ours_to_tf(final: str, dst: str, engine) -> Tuple[int, int, List[str]]:
-    from mpistrat.checkpoint.h5read import Reader, read_catalog, read_values
-    from mpistrat.checkpoint.tf_checkpoints import assign_readers
-    from mpistrat.collectives.agreement import agree_view
-    from mpistrat.errors import DataLossError, InvalidArgumentError
-    from mpistrat.tfformats import bundle, bundle_writer
-    from mpistrat.tfformats.object_graph import GRAPH_KEY, build_graph
-    catalog = read_catalog(final, engine)
+    from mpistrat.checkpoint.formats import READERS, WRITERS
+    from mpistrat.errors import InvalidArgumentError
+    from mpistrat.tfformats import bundle
+    reader = READERS["mpistrat"].open(final, engine)
+    catalog = reader.entries
     paths = sorted(catalog)
     refused = []
     for path in paths:
@@ -221,44 +187,14 @@ def _ours_to_tf(final: str, dst: str, engine) -> Tuple[int, int, List[str]]:
     if refused:   # (the catalog is agreed: every rank raises alike, before any write)
         raise InvalidArgumentError(f"{final}: TensorFlow has no dtype for {', '.join(refused)}: "
                                    f"nothing was written")
-    keys = None
-    with engine.agreed(f"converting {final} to {dst}", doing="reading its TensorFlow keys"):
-        keys = _tf_keys(catalog, final)
-    agree_view(engine, None if keys is None else hashlib.sha1(repr(sorted(keys.items())).encode(
-        )).hexdigest(), f"{final} (its TensorFlow keys)", error=DataLossError)
-    graph = None
-    if keys is None:   # one of ours: a graph of our paths (its keys), as tf.train.Checkpoint's
-        graph, keys = build_graph({p: catalog[p].kind for p in paths})
-    else:   # converted from TensorFlow: its own keys, and its graph if it had one
-        with engine.agreed(f"converting {final} to {dst}", doing="reading the kept object graph"):
-            if engine.rank == 0:
-                graph = _kept_graph(final)
-    owners = dict(zip(paths, assign_readers([catalog[p].nbytes for p in paths], engine.size)))
-    mine: List[Tuple[str, np.ndarray]] = []
-    if graph is not None and engine.rank == 0:
-        mine.append((GRAPH_KEY, np.array(graph, dtype=object)))
-    batches, size = [[]], 0
-    for path in paths:  # read in batches of about 64 MiB; keep what this rank writes
-        if batches[-1] and size + catalog[path].nbytes > 64 << 20:
-            batches.append([])
-            size = 0
-        batches[-1].append(path)
-        size += catalog[path].nbytes
-    with Reader(catalog, engine) as reader:
-        for batch in batches:
-            if batch:
-                for path, value in read_values(final, reader, batch).items():
-                    if owners[path] == engine.rank:
-                        mine.append((keys[path], value))
-    entries = []
-    with engine.agreed(f"converting {final} to {dst}", doing="writing a data shard"):
-        entries = bundle_writer.write_shard(bundle.data_name(dst, engine.rank, engine.size),
-                                            sorted(mine, key=lambda kv: kv[0].encode()),
-                                            engine.rank)
-    gathered = engine.gather_object(entries, 0, f"converting {final} to {dst}: the entries")
-    with engine.agreed(f"converting {final} to {dst}", doing="writing the index"):
-        if engine.rank == 0:
-            bundle_writer.write_index(dst, engine.size, [e for part in gathered for e in part])
+    what = f"converting {final} to {dst}"
+    origin = reader.origin(what)   # converted from TensorFlow: its own keys and graph
+    writer = WRITERS["tensorflow"](dst, engine, {p: catalog[p].kind for p in paths},
+                                   {p: catalog[p].nbytes for p in paths}, origin, what)
+    with closing(reader.read(catalog)) as batches:
+        for batch in batches:   # about 64 MiB at a time; each rank keeps what it writes
+            writer.add(batch)
+    writer.finish()
     return len(paths), sum(catalog[p].nbytes for p in paths), []
 
 

@@ -37,6 +37,7 @@ the next restore of this checkpoint.
 
 import os
 import weakref
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -46,26 +47,21 @@ from mpi4py import MPI
 from mpistrat.checkpoint import writer
 from mpistrat.checkpoint.directory import (io_engine, latest_checkpoint, prepare_directory,
                                            record_latest, restore_target)
-from mpistrat.checkpoint.frameworks import install_build_hook, whole_objects
-from mpistrat.checkpoint.files import data_file, local_view, missing_hint
+from mpistrat.checkpoint.formats import CheckpointReader, open_reader
+from mpistrat.checkpoint.frameworks import install_build_hook
+from mpistrat.checkpoint.files import data_file
 from mpistrat.checkpoint.graph import (Slot, check_segment, collect_slots, in_symbolic_build,
                                        initial_values_only, required_paths, root_children)
-from mpistrat.checkpoint.keras_names import KerasNames
-from mpistrat.checkpoint.tf_structure import match_converted
+from mpistrat.checkpoint.h5format import H5Writer
 from mpistrat.checkpoint.status import (CheckpointLoadStatus, InitializationOnlyStatus,
                                         refuse_no_match)
 from mpistrat.checkpoint.pytrees import as_saved, saved_kind
 from mpistrat.checkpoint.matching import (agree_plan, check_compatible as _check_compatible,
-                                          fit_to_slot, read_batches)
-from mpistrat.checkpoint.h5read import Reader, read_catalog, read_entry, read_values
-from mpistrat.checkpoint.h5write import write_file
-from mpistrat.checkpoint.same_path import agree_view_at
-from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+                                          fit_to_slot)
+from mpistrat.collectives.agreement import Failure, agree_errors
 from mpistrat.distribute.context import outside_strategies
 from mpistrat.distribute.variables import Variable
-from mpistrat.errors import NotFoundError
 from mpistrat.runtime import timeline
-from mpistrat.tfformats.bundle import is_bundle
 
 __all__ = ["Checkpoint", "CheckpointOptions", "CheckpointLoadStatus", "latest_checkpoint"]
 
@@ -83,25 +79,13 @@ class CheckpointOptions:
         return self.enable_async or self.experimental_enable_async_checkpoint
 
 
-def _found(slots, catalog, source: str, named=None, root=None) -> Dict[str, str]:
-    """Our path -> the file's path of the value it restores from: the same path, or for
-    a file converted from TensorFlow, TensorFlow's structural rule on its paths first
-    (``tf_structure.match_converted``), then a Keras 3 variable's by TensorFlow's name."""
-    names = {p: e.tf_full_name for p, e in catalog.items() if e.tf_full_name}
-    found = match_converted(catalog, slots, named, root) if names and named is not None \
-        else {path: path for path in set(slots) & set(catalog)}
-    if names and len(found) < len(slots):
-        found = KerasNames(names, lambda p: catalog[p].shape, source).match(slots, found)
-    return found
-
-
 class Checkpoint:
     """Tracks objects given as keyword arguments (or attributes set later) and saves them."""
 
     def __init__(self, root: Any = None, **kwargs: Any):
         object.__setattr__(self, "_children", {})
         object.__setattr__(self, "_root", root)
-        object.__setattr__(self, "_pending", {})   # path -> h5read.Entry, for objects attached later
+        object.__setattr__(self, "_pending", None)  # the reader of values for objects attached later
         object.__setattr__(self, "_status", None)
         object.__setattr__(self, "_async", None)   # this object's save in flight (writer.Job)
         with outside_strategies():  # a local counter: every rank counts the same saves
@@ -220,51 +204,39 @@ class Checkpoint:
         self.sync()
         writer.wait_idle()
         engine = io_engine()
-        path = restore_target(os.fspath(save_path))
-        tensorflow = is_bundle(path) and not os.path.exists(data_file(path))
-        if agree_view_at(engine, path, tensorflow, f"{path}.index",  # TensorFlow's format?
-                         f"restoring checkpoint {path}"):
-            from mpistrat.checkpoint.tf_checkpoints import restore_tensorflow
-            matched, pending, missing = restore_tensorflow(self, path, engine, _check_compatible)
-            object.__setattr__(self, "_pending", pending)
-            object.__setattr__(self, "_status", CheckpointLoadStatus(
-                path, matched, set(pending.unmatched), missing, lambda: self._refresh(None)))
-            refuse_no_match(path, matched, missing, set(pending.unmatched))
-            self._hook_unbuilt(collect_slots(self._named()))
-            return self._status
-        final = data_file(path)
-        if agree_view(engine, local_view(final), final) != "file":
-            raise NotFoundError(f"no checkpoint at {path} (looked for {final}){missing_hint(path)}")
-        catalog = read_catalog(final, engine)
-        slots = collect_slots(self._named(), self._assign)
-        found = _found(slots, catalog, final, self._named(), self._root)  # ours -> the file's
-        wanted = {name: catalog[found[name]] for name in sorted(found)}
-        agree_plan(engine, slots, wanted, final,   # every rank raises, or none
-                   whole_objects(self._named(), slots, catalog, _check_compatible))
-        matched = set()
-        with timeline.span("checkpoint restore", "checkpoint", file=os.path.basename(final),
+        reader = open_reader(restore_target(os.fspath(save_path)), engine)  # either format
+        source, named = reader.source, self._named()
+        slots = collect_slots(named, self._assign)
+        found = reader.match(slots, named, self._root)  # ours -> the checkpoint's
+        wanted = {name: reader.entry(found[name]) for name in sorted(found)}
+        agree_plan(engine, slots, wanted, source,   # every rank raises, or none
+                   reader.checker(named, slots, found, _check_compatible))
+        reader.refuse(found)                       # (the same plan on every rank)
+        matched, types = set(), reader.array_types(wanted)
+        with timeline.span("checkpoint restore", "checkpoint", file=os.path.basename(source),
                            nbytes=sum(e.nbytes for e in wanted.values())), \
-                Reader(wanted, engine) as reader:
-            for batch in read_batches(wanted):  # read, verify, apply: old values freed as we go
-                matched |= self._apply(slots, read_values(final, reader, batch), final, wanted)
+                closing(reader.read(wanted)) as batches:
+            for batch in batches:  # read, verify, apply: old values freed as we go
+                matched |= self._apply(slots, batch, source, types)
         # values without an object yet are read when one is attached (never before)
-        used = {found[p] for p in matched}
-        pending = {p: e for p, e in catalog.items() if p not in used}
-        object.__setattr__(self, "_pending", pending)
-        saved = set(catalog) | set(found)      # (our paths that found a value by name)
-        status = CheckpointLoadStatus(final, matched, pending, required_paths(slots) - saved,
-                                      lambda: self._refresh(saved))
+        reader.keep_pending({found[p] for p in matched})
+        object.__setattr__(self, "_pending", reader)
+        reader.hook_unbuilt(self, named)   # (objects the format binds beyond our walk)
+        known = reader.known(found)
+        status = CheckpointLoadStatus(source, matched, reader.paths(),
+                                      reader.missing(slots, found), lambda: self._refresh(known))
         object.__setattr__(self, "_status", status)
-        refuse_no_match(final, matched, status.missing_objects, set(pending))
+        refuse_no_match(source, matched, status.missing_objects, reader.paths())
         self._hook_unbuilt(slots)
         return status
 
     def _apply(self, slots: Dict[str, Slot], values: Dict[str, np.ndarray], source: str,
-               entries=None):
+               array_types: Optional[Dict[str, str]] = None):
         """Write ``values`` into their slots; a value counts as restored only once written
         (then immutable nodes are rebuilt and rebound: ``SlotMap.finish``). A Python number
-        whose file value was saved from an array (``entries``) comes back as that array:
-        types are restored as saved (a Flax ``TrainState.step`` saved as a JAX int32)."""
+        whose file value was saved from an array (``array_types``: path -> the array type,
+        ``reader.array_types``) comes back as that array: types are restored as saved (a
+        Flax ``TrainState.step`` saved as a JAX int32)."""
         matched, states = set(), {}
         for path in sorted(set(slots) & set(values)):
             slot, value = slots[path], values[path]
@@ -272,9 +244,8 @@ class Checkpoint:
             value = fit_to_slot(slot, value)   # (an integer of another width that fits)
             if slot.kind == "state":
                 states.setdefault(id(slot.owner), (slot.owner, {}))[1][path.rsplit("/", 1)[1]] = value
-            elif slot.rebind is not None and entries and path in entries and \
-                    entries[path].kind == "array":
-                slot.rebind(as_saved(value, entries[path].array_type))
+            elif slot.rebind is not None and array_types and path in array_types:
+                slot.rebind(as_saved(value, array_types[path]))
             elif slot.write is not None:
                 slot.write(value)
             else:
@@ -319,26 +290,26 @@ class Checkpoint:
 
     def _apply_pending(self, named: Optional[Dict[str, Any]] = None) -> None:
         """Values restored earlier for objects that appeared since (anywhere in the graph):
-        checked, then read by this rank alone (attaching needs no other rank)."""
+        matched by the reader's rule, checked, then read by this rank alone (attaching
+        needs no other rank)."""
         named = self._named() if named is None else named
-        if hasattr(self._pending, "apply"):  # values of a TensorFlow checkpoint
-            return self._pending.apply(self, named, _check_compatible)
+        reader: CheckpointReader = self._pending
         slots = collect_slots(named, self._assign)
-        found = _found(slots, self._pending, "the restored checkpoint", named, self._root)
+        found = reader.match(slots, named, self._root)
         if in_symbolic_build():   # a layer built in a symbolic run: Keras drops assignments
             slots, found = initial_values_only(slots, found)   # (initial values only)
-        check = whole_objects(named, slots, self._pending, _check_compatible)  # NNX: whole
+        check = reader.checker(named, slots, found, _check_compatible)  # (NNX: whole)
+        entries = {p: reader.entry(t) for p, t in found.items()}
         for path, target in sorted(found.items()):
-            check(slots[path], self._pending[target], path, self._pending[target].source)
-        entries = {p: self._pending[t] for p, t in found.items()}
-        values = {p: read_entry(e) for p, e in entries.items()}
-        matched = self._apply(slots, values, "the restored checkpoint", entries)
+            check(slots[path], entries[path], path, reader.source)
+        values = {p: reader.read_local(e) for p, e in entries.items()}
+        matched = self._apply(slots, values, reader.label, reader.array_types(entries))
         used = {found[p] for p in matched}
-        for target in used:
-            self._pending.pop(target, None)
+        reader.consume(used)
         if self._status is not None:
             self._status.matched |= matched
             self._status.unmatched_values -= used
+        reader.hook_unbuilt(self, named)
         self._hook_unbuilt(slots)   # objects attached unbuilt get their values when built
 
 
@@ -370,7 +341,7 @@ class _SaveJob:
 
     def _run(self) -> None:
         try:
-            write_file(data_file(self.path), self.values, self.kinds, self.engine)
+            H5Writer(self.path, self.engine, self.kinds).write(self.values)
             failure = None
             if self.on_commit is not None and self.engine.rank == 0:
                 try:

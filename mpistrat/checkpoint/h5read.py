@@ -29,7 +29,7 @@ from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.checkpoint.dtypes import ARRAY_TYPE_ATTR, DTYPE_ATTR, logical_dtype
 from mpistrat.checkpoint.files import part_match
 from mpistrat.checkpoint.graph import check_path
-from mpistrat.checkpoint.h5write import checksum
+from mpistrat.checkpoint.h5base import READ_VERSIONS, checksum
 from mpistrat.checkpoint.layout import read_runs, rows_of
 from mpistrat.checkpoint.openfile import OpenFile
 from mpistrat.checkpoint.tf_origin import entry_names
@@ -45,7 +45,6 @@ from mpistrat.runtime.faults import fault_point
 __all__ = ["Entry", "Reader", "read_catalog", "read_values", "read_entry", "SMALL_BYTES"]
 
 SMALL_BYTES = 1 << 20  # values below this are read whole by every rank
-_VERSIONS = (1, 2)
 _COMPACT_MAX = 64 << 10
 
 
@@ -101,9 +100,9 @@ def _catalog(final: str) -> Dict[str, Entry]:
     try:
         with files[final].h5() as f:
             version = _scalar_attr(f, "mpistrat_format_version", final)
-            if version not in _VERSIONS:
+            if version not in READ_VERSIONS:
                 raise DataLossError(f"{final} is not an mpistrat checkpoint (format version "
-                                    f"{version!r}; this version reads {_VERSIONS})")
+                                    f"{version!r}; this version reads {READ_VERSIONS})")
             return {name: _entry(final, files, f[name], name, parts)
                     for name in _dataset_paths(f, final)}
     finally:

@@ -31,7 +31,6 @@ import os
 import resource
 import threading
 import uuid
-import zlib
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -39,6 +38,7 @@ import numpy as np
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.checkpoint import h5layout
 from mpistrat.checkpoint.consensus import agree_values, value_digest
+from mpistrat.checkpoint.h5base import FORMAT_VERSION, checksum
 from mpistrat.checkpoint.dtypes import ARRAY_TYPE_ATTR, DTYPE_ATTR, to_stored
 from mpistrat.checkpoint.files import (MARKER, USERBLOCK, create_exclusive, part_name,
                                        remove_checkpoint, same_file, temp_name)
@@ -52,18 +52,12 @@ from mpistrat.runtime import settings
 
 __all__ = ["FORMAT_VERSION", "write_file", "checkpoint_mode", "checksum", "fsync_dir"]
 
-FORMAT_VERSION = 2
 _META_BYTES = 1 << 20  # room kept for HDF5's own metadata when checking free space
 
 
 def checkpoint_mode() -> str:
     """``parallel`` (one shared file, the default) or ``parts`` (``MPISTRAT_CHECKPOINT_MODE``)."""
     return settings.get("MPISTRAT_CHECKPOINT_MODE")
-
-
-def checksum(block: np.ndarray) -> int:
-    """CRC-32 of a block's bytes in C order."""
-    return zlib.crc32(np.ascontiguousarray(block).view(np.uint8).reshape(-1)) & 0xFFFFFFFF
 
 
 def _parallel_checksums(blocks: List[np.ndarray]) -> List[int]:

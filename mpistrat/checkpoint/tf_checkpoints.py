@@ -16,8 +16,9 @@
     >>> reader.get_tensor("w/.ATTRIBUTES/VARIABLE_VALUE").dtype
     dtype('float16')
 
-``Checkpoint.restore(tf_prefix)`` calls :func:`restore_tensorflow` (collective): every rank
-validates the index and the ranks agree on it; our objects are matched to TensorFlow's
+``Checkpoint.restore(tf_prefix)`` reads through ``tf_format.TFReader`` over
+:func:`open_values` and :func:`read_collective` (collective): every rank validates the
+index and the ranks agree on it; our objects are matched to TensorFlow's
 as TensorFlow matches them, through its object graph (``tf_structure``: child names from
 the root, bound to what our objects hold under those names, so ``model/dense/kernel``
 restores ``model.dense.kernel`` and a Keras model rebuilt on JAX gets its values by Keras's
@@ -37,25 +38,20 @@ import numpy as np
 from mpi4py import MPI
 
 from mpistrat.checkpoint.files import state_name
-from mpistrat.checkpoint.graph import (collect_slots, in_symbolic_build, initial_values_only,
-                                       leaf_slot, required_paths)
-from mpistrat.checkpoint.tf_structure import (bind, hook_unbuilt, refuse_saved_model,
-                                              structural_matches)
-from mpistrat.checkpoint.matching import agree_plan
+from mpistrat.checkpoint.graph import leaf_slot
+from mpistrat.checkpoint.tf_structure import bind, structural_matches
 from mpistrat.checkpoint.state_file import read_state
 from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
 from mpistrat.collectives.deadline import wait_all
 from mpistrat.collectives.objects import deadline_of
 from mpistrat.errors import DataLossError, NotFoundError
-from mpistrat.runtime import timeline
 from mpistrat.tfformats.bundle import (STRING, BundleEntry, BundleIndex, decode_value,
                                        index_name, is_bundle, read_index, read_value)
 from mpistrat.tfformats.object_graph import (GRAPH_KEY, MAX_GRAPH_BYTES, ObjectGraph,
                                              attribute_keys, parse_graph)
 
 __all__ = ["load_checkpoint", "list_variables", "CheckpointReader", "resolve_prefix", "latest_in",
-           "restore_tensorflow", "open_values", "read_collective", "assign_readers",
-           "TensorFlowValues"]
+           "open_values", "read_collective", "assign_readers", "TensorFlowValues"]
 
 _BATCH_BYTES = 64 << 20
 _VALUE = "/.ATTRIBUTES/VARIABLE_VALUE"
@@ -262,28 +258,6 @@ class TensorFlowValues:
     def entry(self, checkpoint_path: str) -> BundleEntry:
         return self.index.entries[self.by_path[checkpoint_path]]
 
-    # the deferred restore protocol of Checkpoint (objects attached after restore)
-    def __len__(self) -> int:
-        return len(self.unmatched)
-
-    def apply(self, checkpoint, named, check) -> None:
-        """Restore values for objects attached after the restore (this rank alone)."""
-        slots = collect_slots(named, checkpoint._assign)
-        found = {p: t for p, t in self.match(slots, named, checkpoint._root).items()
-                 if t in self.unmatched}
-        if in_symbolic_build():   # a layer built in a symbolic run: Keras drops assignments
-            slots, found = initial_values_only(slots, found)   # (initial values only)
-        for path, target in sorted(found.items()):
-            check(slots[path], self.entry(target), path, self.source)
-        values = {p: read_value(self.entry(t)) for p, t in found.items()}
-        matched = checkpoint._apply(slots, values, self.source)
-        self.unmatched -= {found[p] for p in matched}
-        status = checkpoint._status
-        if status is not None:
-            status.matched |= matched
-            status.unmatched_values -= {found[p] for p in matched}
-        hook_unbuilt(checkpoint, self.graph, named)
-
 
 def graph_entry(index: BundleIndex) -> Optional[BundleEntry]:
     """The entry of the object graph (a string scalar), or ``None`` without one."""
@@ -342,37 +316,3 @@ def open_values(prefix: str, engine) -> TensorFlowValues:
         data = next(read_collective({GRAPH_KEY: entry}, engine))[GRAPH_KEY][()]
         graph = parse_graph(data, f"{entry.file}, key {GRAPH_KEY!r}")
     return TensorFlowValues(index, graph)
-
-
-def restore_tensorflow(checkpoint, prefix: str, engine, check):
-    """Restore ``checkpoint``'s objects from the TensorFlow checkpoint ``prefix`` (collective).
-
-    ``check(slot, entry_or_value, path, source)`` is the Checkpoint's compatibility check.
-    Returns ``(matched paths, TensorFlowValues (what is left for later), missing paths)``.
-    """
-    values = open_values(prefix, engine)
-    named = checkpoint._named()
-    slots = collect_slots(named, checkpoint._assign)
-    found = values.match(slots, named, checkpoint._root)
-    wanted = {p: values.entry(t) for p, t in found.items()}
-
-    def checked(slot, entry, path, source):   # (two keys that became one path: ambiguous)
-        if found[path] in values.collisions:
-            raise ValueError(f"cannot restore {path!r} from {source}: TensorFlow keys "
-                             f"{values.collisions[found[path]]} both become this object path "
-                             f"here, so which value it should take is ambiguous")
-        check(slot, entry, path, source)
-
-    agree_plan(engine, slots, wanted, prefix, checked)   # every rank raises, or none
-    refuse_saved_model(values, found, prefix)            # (the same plan on every rank)
-    matched = set()
-    with timeline.span("checkpoint restore", "checkpoint", file=os.path.basename(prefix),
-                       nbytes=sum(e.size for e in wanted.values())):
-        for batch in read_collective(wanted, engine):
-            matched |= checkpoint._apply(slots, batch, prefix)  # applied as read
-    values.unmatched -= {found[p] for p in matched}
-    hook_unbuilt(checkpoint, values.graph, named)   # (values for layers built later)
-    missing = required_paths(slots) - set(found)
-    if "save_counter" not in values.by_path:  # TensorFlow makes it on the first save()
-        missing.discard("save_counter")
-    return matched, values, missing

@@ -19,6 +19,7 @@ size and its CRC before it is decoded::
 """
 
 import zlib
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 import numpy as np
@@ -26,13 +27,23 @@ import numpy as np
 from mpistrat.checkpoint.dtypes import TF_NAME_ATTR
 from mpistrat.errors import DataLossError
 
-__all__ = ["TF_KEY_ATTR", "GRAPH_ATTR", "GRAPH_CRC_ATTR", "value_attrs", "graph_attrs",
+__all__ = ["TFOrigin", "TF_KEY_ATTR", "GRAPH_ATTR", "GRAPH_CRC_ATTR", "value_attrs", "graph_attrs",
            "entry_names", "decode_graph", "read_graph"]
 
 TF_KEY_ATTR = "mpistrat_tf_key"
 GRAPH_ATTR = "mpistrat_tf_object_graph"
 GRAPH_CRC_ATTR = "mpistrat_tf_object_graph_crc32"
 _MAX_NAME = 1 << 16       # characters of a key or a name (TensorFlow's: a few hundred)
+
+
+@dataclass(frozen=True)
+class TFOrigin:
+    """What a checkpoint keeps of TensorFlow, by our object paths: each value's TensorFlow
+    name (``full_name``) and key, and the serialized object graph (``None``: not kept)."""
+
+    names: Optional[Dict[str, str]] = None
+    keys: Optional[Dict[str, str]] = None
+    graph: Optional[bytes] = None
 
 
 def value_attrs(full_name: Optional[str], key: Optional[str]) -> Dict[str, str]:

@@ -313,7 +313,7 @@ def test_values_without_an_object_are_not_read_until_one_is_attached(tmp_path):
     fresh = ms.Checkpoint(model=Model())
     status = fresh.restore(path)
     assert status.unmatched_values == {"junk"}
-    assert not any(isinstance(v, np.ndarray) for v in fresh._pending.values())
+    assert not any(isinstance(v, np.ndarray) for v in fresh._pending.remaining.values())
     with pytest.raises(ValueError, match=r"'junk'.*float64\[33554432\].*float64\[3\]"):
         fresh.junk = np.zeros(3)  # checked against the object before anything is read
 

@@ -24,8 +24,6 @@ Inputs may be NumPy, CuPy or JAX arrays (JAX tracers too, inside
 """
 
 import functools
-import os
-import sys
 from typing import Any, Optional
 
 import numpy as np
@@ -152,47 +150,6 @@ def scale_regularization_loss(regularization_loss: Any):
 
 
 # -- gradient aggregation for optax ------------------------------------------------------------
-def _per_device_axes(what: str) -> tuple:
-    """The mesh axes over which a traced call runs once per device (inside ``shard_map`` or
-    ``pmap``: all of the mesh's axes are manual), or ``()`` inside a plain ``jax.jit``, where
-    the callback runs once; a ``ValueError`` where a host callback cannot run as the ranks'
-    one collective."""
-    import jax
-    mesh = jax.sharding.get_abstract_mesh()
-    manual = tuple(getattr(mesh, "manual_axes", ()))
-    if not manual:
-        return ()
-    if len(manual) != len(mesh.axis_names):
-        raise InvalidArgumentError(
-            f"{what} inside shard_map over the axes {list(manual)} of a mesh with the axes "
-            f"{list(mesh.axis_names)}: JAX runs host callbacks only where every mesh axis is "
-            f"manual; give shard_map all of the mesh's axes (axis_names=), or call {what} "
-            f"outside shard_map, in the jitted function")
-    if jax.process_count() > 1:
-        raise InvalidArgumentError(
-            f"{what} inside shard_map or pmap with jax.distributed initialized "
-            f"({jax.process_count()} JAX processes): a mesh spanning processes reduces with "
-            f"jax.lax.psum/pmean over its axes; {what} reduces over the ranks of "
-            f"process-local meshes")
-    return manual
-
-
-_LIBRARIES = tuple(os.sep + name + os.sep for name in ("mpistrat", "jax", "jaxlib", "optax",
-                                                      "flax", "keras", "equinox"))
-
-
-def _traced_at() -> str:
-    """`` at file:line`` of the user's code tracing the call (for errors), or ``""``."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        path = frame.f_code.co_filename
-        if not any(part in path for part in _LIBRARIES) and not path.startswith("<frozen") \
-                and os.path.basename(path) not in ("functools.py", "contextlib.py"):
-            return f" at {os.path.basename(path)}:{frame.f_lineno}"
-        frame = frame.f_back
-    return ""
-
-
 class _Aggregation:
     """The collective of ``aggregate_gradients``: eager, or through a host callback when traced.
 
@@ -235,14 +192,14 @@ class _Aggregation:
         """The reduced leaves, through an ordered host callback of the traced program."""
         import jax
         from jax.experimental import io_callback
-        axes = _per_device_axes(what)
+        axes = host_callbacks.per_device_axes(what)
         host_callbacks.traced()   # the program's own collectives now wait for these
         shapes = tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves)
         try:
             if not axes:
                 return io_callback(self.host, shapes, *leaves, ordered=True)
             count = int(np.prod([jax.sharding.get_abstract_mesh().shape[a] for a in axes]))
-            site = host_callbacks.site(f"ms.nn.{what}{_traced_at()}")   # this traced call
+            site = host_callbacks.site(f"ms.nn.{what}{host_callbacks.traced_at()}")   # this traced call
             return io_callback(functools.partial(self.each_device, count, site), shapes,
                                jax.lax.axis_index(axes), *leaves, ordered=True)
         except ValueError as err:

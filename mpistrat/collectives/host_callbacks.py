@@ -30,14 +30,17 @@ its own part of the result::
 
 import contextlib
 import itertools
+import os
+import sys
 import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-from mpistrat.errors import DeadlineExceededError
+from mpistrat.errors import DeadlineExceededError, InvalidArgumentError
 from mpistrat.runtime import jax_threads
 
 __all__ = ["TRACED", "traced", "running", "inside", "settle", "gathered", "site", "Site",
+           "per_device_axes", "traced_at",
            "RENDEZVOUS_SECONDS"]
 
 # Whether a collective was ever traced into a callback. Hot paths test it themselves
@@ -213,3 +216,45 @@ def _fail(gathering: _Gathering, number: int, call: _Call, count: int, name: str
     gathering.seen.clear()
     gathering.open.clear()
     _calls.notify_all()
+
+
+# -- where a traced callback runs, and who traced it -----------------------------------------
+def per_device_axes(what: str) -> tuple:
+    """The mesh axes over which a traced call runs once per device (inside ``shard_map`` or
+    ``pmap``: all of the mesh's axes are manual), or ``()`` inside a plain ``jax.jit``, where
+    the callback runs once; a ``ValueError`` where a host callback cannot run as the ranks'
+    one collective."""
+    import jax
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = tuple(getattr(mesh, "manual_axes", ()))
+    if not manual:
+        return ()
+    if len(manual) != len(mesh.axis_names):
+        raise InvalidArgumentError(
+            f"{what} inside shard_map over the axes {list(manual)} of a mesh with the axes "
+            f"{list(mesh.axis_names)}: JAX runs host callbacks only where every mesh axis is "
+            f"manual; give shard_map all of the mesh's axes (axis_names=), or call {what} "
+            f"outside shard_map, in the jitted function")
+    if jax.process_count() > 1:
+        raise InvalidArgumentError(
+            f"{what} inside shard_map or pmap with jax.distributed initialized "
+            f"({jax.process_count()} JAX processes): a mesh spanning processes reduces with "
+            f"jax.lax.psum/pmean over its axes; {what} reduces over the ranks of "
+            f"process-local meshes")
+    return manual
+
+
+_LIBRARIES = tuple(os.sep + name + os.sep for name in ("mpistrat", "jax", "jaxlib", "optax",
+                                                      "flax", "keras", "equinox"))
+
+
+def traced_at() -> str:
+    """`` at file:line`` of the user's code tracing the call (for errors), or ``""``."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not any(part in path for part in _LIBRARIES) and not path.startswith("<frozen") \
+                and os.path.basename(path) not in ("functools.py", "contextlib.py"):
+            return f" at {os.path.basename(path)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return ""

@@ -30,6 +30,7 @@ way (inside ``jax.jit`` too), accumulating N passes first when asked, before the
 """
 
 import contextlib
+import functools
 import threading
 import types
 from typing import Any, List, Optional
@@ -103,6 +104,23 @@ class GradientReduction:
         with host_callbacks.running():
             return self.reduce_host(*arrays)
 
+    def each_device(self, count: int, site, position, *arrays) -> tuple:
+        """Device ``position``'s part of one reduction of all ``count`` devices' gradients
+        (inside ``shard_map``/``pmap``): device ``i``'s meet device ``i``'s of every rank."""
+        from mpistrat.collectives import host_callbacks
+        timeout = self.strategy.extended.engine.options.timeout_seconds
+        return tuple(host_callbacks.gathered(count, int(position),
+                                             [np.asarray(a) for a in arrays],
+                                             lambda parts: self._devices(parts), timeout, site))
+
+    def _devices(self, parts) -> list:
+        from mpistrat.collectives import host_callbacks
+        flat = [array for part in parts for array in part]
+        with host_callbacks.running():
+            out = self.reduce_host(*flat)
+        width = len(parts[0])
+        return [list(out[i * width:(i + 1) * width]) for i in range(len(parts))]
+
     def reduce_host(self, *arrays) -> tuple:
         """Reduce host copies of the gradients by Horovod's rules; each result in its
         gradient's dtype and shape (collective)."""
@@ -140,9 +158,17 @@ class GradientReduction:
             import jax
             from jax.experimental import io_callback
             from mpistrat.collectives import host_callbacks
+            axes = host_callbacks.per_device_axes("hvd.DistributedOptimizer")
             host_callbacks.traced()   # the program's own collectives now wait for these
             shapes = tuple(jax.ShapeDtypeStruct(np.shape(g), g.dtype) for g in present)
-            reduced = io_callback(self.host, shapes, *present, ordered=True)
+            if not axes:
+                reduced = io_callback(self.host, shapes, *present, ordered=True)
+            else:   # inside shard_map/pmap: once per device, joined into one collective
+                mesh = jax.sharding.get_abstract_mesh()
+                count = int(np.prod([mesh.shape[a] for a in axes]))
+                site = host_callbacks.site(f"hvd.DistributedOptimizer{host_callbacks.traced_at()}")
+                reduced = io_callback(functools.partial(self.each_device, count, site), shapes,
+                                      jax.lax.axis_index(axes), *present, ordered=True)
         else:
             import jax.numpy as jnp
             from mpistrat.runtime.devices import array_kind

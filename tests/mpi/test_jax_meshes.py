@@ -3,7 +3,7 @@ devices (issue 44): a jitted step over a mesh alternating with one on a single d
 over two meshes, sharded gradients, ``shard_map`` and ``pmap`` (where JAX runs the host callback
 once per device, on several threads at once: device ``i``'s values must meet device ``i``'s of
 every other rank, in one collective), and the named refusals (``vmap``, a ``shard_map`` that
-leaves mesh axes automatic).
+leaves mesh axes automatic); hvd.DistributedOptimizer's optax form inside ``shard_map`` too.
 
 The file uses the devices JAX has: one by default, several under
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (tests/launcher/test_jax_bound_cores.py
@@ -307,3 +307,33 @@ def test_gathered_fails_a_call_a_device_skips_and_starts_again(world, monkeypatc
     _threads(*[(site, 3, p, 10.0 * (p + 1), None if timeout is None else 60.0, again)
                for p in range(3)])
     assert again == {0: [60.0], 1: [60.0], 2: [60.0]}
+
+
+@pytest.mark.mpi(min_size=1)
+def test_horovod_optax_inside_shard_map_averages_device_by_device(world):
+    """hvd.DistributedOptimizer's update inside shard_map (JAX runs its host callback once per
+    device, on several threads): device i's gradients are averaged with device i's of every
+    rank, in one collective per step, as ms.nn's are."""
+    import mpistrat.horovod as hvd
+    hvd.init()
+    try:
+        devices = _devices()
+        count = len(devices)
+        mesh = Mesh(np.array(devices), ("d",))
+        spec = P("d")
+        tx = hvd.DistributedOptimizer(optax.sgd(1.0))   # update = -(averaged gradient)
+
+        @jax.jit
+        def step(g):
+            def body(gs):
+                updates, _ = tx.update({"g": gs}, tx.init({"g": gs}))
+                return updates["g"]
+            return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)(g)
+
+        mean_factor = sum(rank + 1 for rank in range(world.size)) / world.size
+        for index in range(4):
+            base = np.arange(count * 2, dtype=np.float32) * 10 + index
+            out = step(jax.device_put(base * (world.rank + 1), NamedSharding(mesh, spec)))
+            np.testing.assert_allclose(np.asarray(out), -base * mean_factor, rtol=1e-6)
+    finally:
+        hvd.shutdown()

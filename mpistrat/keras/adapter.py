@@ -20,6 +20,8 @@ train step:
 * ``each_epoch``: a Keras ``DataAdapter`` (``keras.src.trainers.data_adapters``) that
   iterates an mpistrat distributed dataset afresh each epoch; a ``PyDataset`` needs a length
   or an infinite stream, and Python generators are iterated once;
+* ``build_on_empty_batches``: Keras's symbolic build at the start of ``fit`` (shapes of the
+  first batch, ``Trainer._symbolic_build``) on a rank whose first batch has no rows;
 * ``own_state``: a layer's own variables, seed generators and sublayers, apart (the
   checkpoint's object graph, as TensorFlow's names it; ``layer.variables`` mixes a layer's
   own with its sublayers');
@@ -50,7 +52,8 @@ Tested against Keras 3.15.1 (the newest; ``pyproject.toml`` allows 3.10 and late
 import contextlib
 from typing import Any, Callable, Iterator
 
-__all__ = ["update_metrics", "replica_losses", "weight_regularisation_loss", "each_epoch", "own_state", "optimizer_state",
+__all__ = ["update_metrics", "replica_losses", "weight_regularisation_loss", "each_epoch",
+           "build_on_empty_batches", "own_state", "optimizer_state",
            "initial_epoch", "set_initial_epoch", "reload_state", "momentum_slots",
            "rebuild_optimizer", "h5_optimizer_weights", "in_stateless_scope",
            "set_initial_value", "TESTED"]
@@ -170,6 +173,40 @@ def each_epoch(batches: Callable[[], Iterator]) -> Any:
             lambda self: None)
 
     return Epochs()
+
+
+def build_on_empty_batches(model: Any) -> None:
+    """Let Keras's symbolic build (``Trainer._symbolic_build``, run at the start of
+    ``fit``/``evaluate``/``predict`` on the first batch's shapes) work on a rank whose first
+    batch has no rows: a leading dimension of 0 is traced as ``None`` (any rows), as a
+    ``keras.Input`` is; a ``(0,)`` data loss cannot be added to a regularisation loss. Ranks
+    with rows build on their batch's shapes as Keras does. Per instance."""
+    original = getattr(model, "_symbolic_build", None)
+    if original is None:
+        raise _missing("Trainer._symbolic_build")
+    try:
+        from keras import KerasTensor, tree
+        from keras.src.backend import standardize_dtype
+    except ImportError:
+        raise _missing("keras.src.backend.standardize_dtype") from None
+
+    def any_rows(value):
+        shape = getattr(value, "shape", None)
+        if shape is None or len(shape) == 0 or shape[0] != 0:
+            return value
+        return KerasTensor((None,) + tuple(shape[1:]), standardize_dtype(value.dtype))
+
+    def build(iterator=None, data_batch=None):
+        if data_batch is None and iterator is not None:   # (the batch Keras itself would take)
+            for _, _, data_or_iterator in iterator:
+                data_batch = data_or_iterator[0] if isinstance(data_or_iterator, (list, tuple)) \
+                    else next(data_or_iterator)
+                break
+        if data_batch is not None:
+            data_batch = tree.map_structure(any_rows, data_batch)
+        return original(iterator=iterator, data_batch=data_batch)
+
+    object.__setattr__(model, "_symbolic_build", build)
 
 
 def own_state(layer: Any):

@@ -60,6 +60,7 @@ from typing import Any
 
 import numpy as np
 
+from mpistrat.keras.adapter import build_on_empty_batches
 from mpistrat.keras.callbacks import for_fit
 from mpistrat.keras.checks import (_is_arrays, _rows, _split_off, agreed_batches,
                                    loss_rule, same_arrays_everywhere, same_steps_everywhere)
@@ -206,6 +207,7 @@ class DistributedTrainer:
         for name in ("train_step", "test_step", "fit", "evaluate", "predict"):
             object.__setattr__(model, name, getattr(self, name))
         model.train_function = model.test_function = None
+        build_on_empty_batches(model)   # (a rank whose first batch has no rows)
         model._mpistrat_strategy = self.strategy
         if model.built and not self.per_rank_data:
             # weights made in the scope start alike on every rank (rank 0's); under Horovod

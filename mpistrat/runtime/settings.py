@@ -71,6 +71,13 @@ def parse_seconds(text: str) -> float:
     return value
 
 
+def _orphan_seconds(text: str) -> int:
+    """scripts/mpirun's reading: a decimal number of seconds, rounded up; 0 turns it off."""
+    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?", text.strip()):
+        raise ValueError(text)
+    return math.ceil(float(text))
+
+
 def parse_bytes(text: str) -> int:
     """A byte count of at least 0, with an optional unit (KiB, MiB, GiB, TiB; KB, MB, GB, TB).
 
@@ -263,9 +270,9 @@ SETTINGS = (
             "state of the namespace cluster (scripts/cluster)", for_tests=True),
     Setting("MPISTRAT_MPIRUN_LIMIT", parse_seconds, 600.0, _SECONDS,
             "default time limit of scripts/mpirun", for_tests=True),
-    Setting("MPISTRAT_MPIRUN_ORPHAN_SECONDS", parse_seconds, 8.0, _SECONDS,
-            "scripts/mpirun kills an Open MPI mpirun that outlives all of its ranks this long",
-            for_tests=True),
+    Setting("MPISTRAT_MPIRUN_ORPHAN_SECONDS", _orphan_seconds, 8, "whole seconds, 0: off",
+            "scripts/mpirun kills an Open MPI mpirun that outlives all of its ranks this long, "
+            "writing nothing (a fraction counts as the next whole second)", for_tests=True),
     Setting("MPISTRAT_SITE", _path, "slurm/site.sh", "a file",
             "the site file every slurm/ template sources (modules, VENV/PYTHON, SRUN_MPI)",
             for_tests=True),

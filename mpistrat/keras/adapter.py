@@ -20,8 +20,9 @@ train step:
 * ``each_epoch``: a Keras ``DataAdapter`` (``keras.src.trainers.data_adapters``) that
   iterates an mpistrat distributed dataset afresh each epoch; a ``PyDataset`` needs a length
   or an infinite stream, and Python generators are iterated once;
-* ``build_on_empty_batches``: Keras's symbolic build at the start of ``fit`` (shapes of the
-  first batch, ``Trainer._symbolic_build``) on a rank whose first batch has no rows;
+* ``build_on_empty_batches``: Keras's symbolic build at the start of ``fit``/``evaluate``
+  (shapes of the first batch, ``Trainer._symbolic_build``) on a rank whose first batch has
+  no rows;
 * ``own_state``: a layer's own variables, seed generators and sublayers, apart (the
   checkpoint's object graph, as TensorFlow's names it; ``layer.variables`` mixes a layer's
   own with its sublayers');
@@ -177,12 +178,13 @@ def each_epoch(batches: Callable[[], Iterator]) -> Any:
 
 def build_on_empty_batches(model: Any) -> None:
     """Let Keras's symbolic build (``Trainer._symbolic_build``, run at the start of
-    ``fit``/``evaluate``/``predict`` on the first batch's shapes) work on a rank whose first
-    batch has no rows: a leading dimension of 0 is traced as ``None`` (any rows), as a
-    ``keras.Input`` is; a ``(0,)`` data loss cannot be added to a regularisation loss. Ranks
-    with rows build on their batch's shapes as Keras does. Per instance."""
-    original = getattr(model, "_symbolic_build", None)
-    if original is None:
+    ``fit``/``evaluate`` on the first batch's shapes, while anything is unbuilt) work on a
+    rank whose first batch has no rows: a leading dimension of 0 is traced as ``None`` (any
+    rows), as a ``keras.Input`` is; a ``(0,)`` data loss cannot be added to a regularisation
+    loss. Ranks with rows build on their batch's shapes as Keras does; a built model takes no
+    batch (as Keras's). Per instance, wrapping the class's method (again: no nesting)."""
+    original = getattr(type(model), "_symbolic_build", None)
+    if original is None or not hasattr(model, "_flatten_layers"):
         raise _missing("Trainer._symbolic_build")
     try:
         from keras import KerasTensor, tree
@@ -196,17 +198,23 @@ def build_on_empty_batches(model: Any) -> None:
             return value
         return KerasTensor((None,) + tuple(shape[1:]), standardize_dtype(value.dtype))
 
+    def unbuilt():   # (Keras's own test: it takes a batch only then)
+        return not all(layer.built for layer in model._flatten_layers()) or any(
+            part is not None and not part.built
+            for part in (getattr(model, "_compile_metrics", None),
+                         getattr(model, "_compile_loss", None)))
+
     def build(iterator=None, data_batch=None):
-        if data_batch is None and iterator is not None:   # (the batch Keras itself would take)
+        if data_batch is None and iterator is not None and unbuilt():   # (Keras's own batch)
             for _, _, data_or_iterator in iterator:
                 data_batch = data_or_iterator[0] if isinstance(data_or_iterator, (list, tuple)) \
                     else next(data_or_iterator)
                 break
         if data_batch is not None:
             data_batch = tree.map_structure(any_rows, data_batch)
-        return original(iterator=iterator, data_batch=data_batch)
+        return original(model, iterator=iterator, data_batch=data_batch)
 
-    object.__setattr__(model, "_symbolic_build", build)
+    object.__setattr__(model, "_symbolic_build", build)   # (once: the class's is wrapped)
 
 
 def own_state(layer: Any):

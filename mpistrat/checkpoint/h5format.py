@@ -41,6 +41,7 @@ class H5Reader:
         self.source, self.label = final, final   # (``label``: once pending, PENDING_LABEL)
         self.catalog, self.engine = catalog, engine
         self.remaining = dict(catalog)          # values no object took (yet)
+        self.saved = set(catalog)               # every path the file holds
 
     @classmethod
     def open(cls, final: str, engine) -> "H5Reader":
@@ -86,7 +87,7 @@ class H5Reader:
 
     def known(self, found: Dict[str, str]) -> Optional[Set[str]]:
         """Our paths that have a value in the file (by its path, or matched by name)."""
-        return set(self.catalog) | set(found)
+        return self.saved | set(found)
 
     # -- reading ------------------------------------------------------------------------
     def read(self, wanted: Dict[str, Entry]) -> Iterator[Dict[str, np.ndarray]]:
@@ -108,6 +109,7 @@ class H5Reader:
     def keep_pending(self, used: Set[str]) -> None:
         """After the restore: the values it used are gone; the rest wait for objects."""
         self.consume(used)
+        self.catalog = self.remaining   # (the used entries' files close with them)
         self.label = PENDING_LABEL
 
     def consume(self, used: Set[str]) -> None:

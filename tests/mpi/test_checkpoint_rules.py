@@ -290,3 +290,33 @@ def test_a_tensorflow_restore_with_a_mismatch_on_one_rank_raises_on_every_rank(w
     text = str(info.value)
     assert f"rank {world.size - 1}" in text and "'model/dense/kernel'" in text, text
     assert not net.dense.bias.numpy().any()
+
+
+def _open_files_under(directory):
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+    return [link for link in links if link.startswith(os.path.realpath(directory))]
+
+
+@pytest.mark.mpi(min_size=1)
+def test_a_restore_that_matched_everything_keeps_no_checkpoint_file_open(world, shared_dir):
+    """A rotated-away checkpoint must not stay open (its space held, NFS's .nfs files): once
+    every value found its object, the restore lets go of the file; values left pending keep
+    it open while their checkpoint lives."""
+    import gc
+    path = ms.Checkpoint(tree={"w": np.arange(4.0), "b": np.ones(2)}).write(
+        shared_dir + "/ckpt")
+    full = ms.Checkpoint(tree={"w": np.zeros(4), "b": np.zeros(2)})
+    full.restore(path).assert_consumed()
+    gc.collect()
+    assert _open_files_under(shared_dir) == []
+    partial = ms.Checkpoint(tree={"w": np.zeros(4)})
+    partial.restore(path)
+    assert _open_files_under(shared_dir) != []     # "b" waits for its object
+    del partial
+    gc.collect()
+    assert _open_files_under(shared_dir) == []

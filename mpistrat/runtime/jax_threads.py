@@ -69,13 +69,27 @@ def widen_cpu_pool() -> bool:
     return True
 
 
+def _steps_on_cpu() -> bool:
+    """Whether JAX's steps run on its CPU backend (on a GPU or TPU the CPU pool only copies
+    the callback's arguments, and is free to)."""
+    try:
+        import jax
+        return jax.default_backend() == "cpu"
+    except Exception:  # noqa: BLE001  (no JAX backend at all: nothing can hang)
+        return False
+
+
 def check_pool(what: str = "a collective traced into a JAX host callback") -> None:
     """Raise ``FailedPreconditionError`` where JAX started with one CPU thread before
-    ``import mpistrat`` could widen its pool (a step with ``what`` could hang)."""
-    if _state["late"] and os.environ.get("NPROC") is None:
+    ``import mpistrat`` could widen its pool and runs its steps on the CPU (a step with
+    ``what`` could hang). NPROC set after JAX started changes nothing: it is not read again."""
+    if _state["late"] and _steps_on_cpu():
+        from mpistrat.runtime.world import get_world
+        world = get_world()
         raise FailedPreconditionError(
-            f"{what} (ms.nn, hvd.DistributedOptimizer): JAX's CPU backend started with one "
-            f"thread (this rank may use {_cores()} core) before mpistrat was imported: the "
+            f"rank {world.rank} (host {world.hostname}): {what} (ms.nn, "
+            f"hvd.DistributedOptimizer): JAX's CPU backend started with one thread (this "
+            f"rank may use {_cores()} core) before mpistrat was imported: the "
             f"step can hang waiting for a copy queued behind itself. Import mpistrat before "
             f"using JAX, set NPROC={MIN_THREADS} in the job's environment, or bind each rank "
             f"to two cores or none (mpirun --bind-to none); see docs/troubleshooting.md")

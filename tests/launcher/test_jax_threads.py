@@ -20,10 +20,12 @@ PROGRAM = """
 import os, sys
 os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})   # one core, as mpirun binds
 order = sys.argv[1]
-if order == "jax-first":
+if order.startswith("jax-first"):
     import jax
     jax.numpy.ones(1).block_until_ready()
 import mpistrat as ms
+if order == "jax-first-then-nproc":
+    os.environ["NPROC"] = "2"                # too late: JAX's pool has started
 import jax
 jax.numpy.ones(1).block_until_ready()
 print("NPROC", os.environ.get("NPROC"), "threads", len(os.listdir("/proc/self/task")))
@@ -64,6 +66,12 @@ def test_jax_started_first_on_one_core_is_refused_by_name_at_the_traced_aggregat
     assert nproc == "None", out
     assert "refused" in out and "JAX's CPU backend started with one thread" in out, out
     assert "NPROC=2" in out and "reduced" not in out, out
+
+
+def test_nproc_set_after_jax_started_does_not_silence_the_refusal():
+    nproc, _, out = run("jax-first-then-nproc")
+    assert nproc == "2", out
+    assert "refused rank 0 (host" in out and "started with one thread" in out, out
 
 
 def test_a_users_nproc_is_never_overridden_nor_refused():

@@ -51,6 +51,7 @@ from mpistrat import distribute  # noqa: E402
 from mpistrat import data  # noqa: E402
 from mpistrat import io  # noqa: E402
 from mpistrat import summary  # noqa: E402  (TensorBoard event files without TensorFlow)
+from mpistrat import horovod  # noqa: E402,F401  (ms.horovod, as `import mpistrat.horovod as hvd`)
 
 __version__ = "0.1.0"
 

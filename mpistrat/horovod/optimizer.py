@@ -117,13 +117,14 @@ class GradientReduction:
         from mpistrat.collectives import host_callbacks
         flat = [array for part in parts for array in part]
         with host_callbacks.running():
-            out = self.reduce_host(*flat)
+            out = self.reduce_host(*flat, devices=len(parts))
         width = len(parts[0])
         return [list(out[i * width:(i + 1) * width]) for i in range(len(parts))]
 
-    def reduce_host(self, *arrays) -> tuple:
+    def reduce_host(self, *arrays, devices: int = 0) -> tuple:
         """Reduce host copies of the gradients by Horovod's rules; each result in its
-        gradient's dtype and shape (collective)."""
+        gradient's dtype and shape (collective). ``devices``: the per-device calls joined
+        (ranks with other device counts then differ by name)."""
         from mpistrat.horovod.collectives import Average, _scale
         arrays = [np.asarray(a) for a in arrays]
         wires, contexts = [], []
@@ -135,7 +136,8 @@ class GradientReduction:
             wires.append(wire)
             contexts.append(context)
         engine = self.strategy.extended.engine
-        summed = engine.all_reduce(wires, "SUM", label=self.label())
+        label = self.label() + (f", {devices} devices per rank" if devices else "")
+        summed = engine.all_reduce(wires, "SUM", label=label)
         post = self.postscale / engine.size if self.op == Average else self.postscale
         out = []
         for value, total, context in zip(arrays, summed, contexts):

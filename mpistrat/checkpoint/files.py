@@ -24,7 +24,7 @@ import secrets
 import warnings
 from typing import Iterable, List, Optional
 
-from mpistrat.io.safe_files import create_exclusive, same_file  # noqa: F401 - re-exported
+from mpistrat.safe_files import create_exclusive, same_file  # noqa: F401 - re-exported
 
 __all__ = ["data_file", "temp_name", "part_name", "MARKER", "USERBLOCK",
            "create_exclusive", "random_temp", "same_file",

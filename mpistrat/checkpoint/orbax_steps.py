@@ -27,7 +27,7 @@ from mpistrat.checkpoint.graph import check_segment
 from mpistrat.checkpoint.h5write import fsync_dir
 from mpistrat.checkpoint.orbax_tree import saved_leaves
 from mpistrat.errors import DataLossError
-from mpistrat.io.safe_files import UnreadableFile, read_regular, replace_atomically
+from mpistrat.safe_files import UnreadableFile, read_regular, replace_atomically
 
 __all__ = ["MANIFEST", "step_dir", "temp_dir", "scan", "check_item_name", "write_manifest",
            "read_manifest", "commit", "delete_step", "remove_stale", "foreign_hint"]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from mpistrat.checkpoint.files import random_temp
-from mpistrat.io.safe_files import replace_atomically
+from mpistrat.safe_files import replace_atomically
 from mpistrat.errors import DataLossError
 
 __all__ = ["CheckpointState", "format_state", "parse_state", "read_state", "write_state",

@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from mpistrat.io.safe_files import UnreadableFile, read_regular
+from mpistrat.safe_files import UnreadableFile, read_regular
 
 __all__ = ["TuningTable", "BUCKETS", "SIZE_CLASSES", "PLACES", "CANDIDATES", "VERSION",
            "bucket_of", "size_class", "key_of", "pick", "table_key", "load_table", "save_table",
@@ -232,7 +232,7 @@ def _entry(entry: Dict, number: int, path: str) -> TuningTable:
 
 def _read_regular(path: str) -> bytes:
     """The bytes of ``path``: a regular file of at most ``MAX_FILE_BYTES`` (a FIFO never holds
-    the job, a device is refused: ``io.safe_files.read_regular``)."""
+    the job, a device is refused: ``safe_files.read_regular``)."""
     try:
         return read_regular(path, MAX_FILE_BYTES)
     except UnreadableFile as err:

@@ -48,7 +48,7 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional
 from mpi4py import MPI
 
 from mpistrat.runtime import settings
-from mpistrat.io.safe_files import replace_atomically
+from mpistrat.safe_files import replace_atomically
 
 __all__ = ["Event", "ON", "PATH_ENV", "span", "record", "begin", "wait_ready", "end",
            "note_algorithm",

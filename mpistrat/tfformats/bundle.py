@@ -36,7 +36,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 
 from mpistrat.errors import DataLossError, InvalidArgumentError, NotFoundError
-from mpistrat.io.safe_files import UnreadableFile, read_regular
+from mpistrat.safe_files import UnreadableFile, read_regular
 from mpistrat.tfformats import messages
 from mpistrat.tfformats.crc import crc32c, extend, unmask
 from mpistrat.tfformats.tf_dtypes import REFUSED as _REFUSED

@@ -15,7 +15,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from mpistrat.io.safe_files import replace_atomically
+from mpistrat.safe_files import replace_atomically
 from mpistrat.tfformats import messages
 from mpistrat.tfformats.bundle import STRING, dtype_enum, index_name, length_bytes
 from mpistrat.tfformats.crc import crc32c, extend, mask
@@ -44,7 +44,7 @@ def encode_value(value) -> Tuple[int, Tuple[int, ...], bytes, int]:
 
 def _write_atomically(path: str, chunks) -> None:
     """Write the bytes ``chunks`` yields to ``path``: a temporary of a random name created with
-    ``O_EXCL|O_NOFOLLOW``, fsync, rename (``io/safe_files.py``)."""
+    ``O_EXCL|O_NOFOLLOW``, fsync, rename (``safe_files.py``)."""
     replace_atomically(path, lambda handle: [handle.write(chunk) for chunk in chunks])
 
 

@@ -35,7 +35,7 @@ from typing import Optional
 
 import numpy as np
 
-from mpistrat.io.safe_files import replace_atomically
+from mpistrat.safe_files import replace_atomically
 from mpistrat.tfformats.crc import crc32c, masked_crc32c
 
 __all__ = ["default_index_dir", "index_path", "load_index", "save_index", "fingerprint"]

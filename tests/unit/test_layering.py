@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[2] / "mpistrat"
 # module prefix -> layer (longest prefix wins)
 LAYERS = {
     "mpistrat.errors": 0, "mpistrat.nest": 0, "mpistrat.partition": 0,
-    "mpistrat.tfformats": 0, "mpistrat.io": 0,
+    "mpistrat.safe_files": 0,      # below the formats: tfformats writes and reads through it
+    "mpistrat.tfformats": 0, "mpistrat.io": 0.5,   # ms.io parses over TensorFlow's formats
     "mpistrat.keras.adapter": 0,   # Keras's private names, behind one adapter (imports Keras only)
     "mpistrat.runtime": 1, "mpistrat.cluster_resolver": 1, "mpistrat.cluster_spec": 0, "mpistrat.config": 1,
     "mpistrat.tpu": 1,
@@ -63,6 +64,8 @@ def test_no_module_imports_a_higher_layer():
 
 
 def test_the_table_knows_every_module():
+    assert layer("mpistrat.io.example") > layer("mpistrat.tfformats.bundle") >= \
+        layer("mpistrat.safe_files")
     assert layer("mpistrat.preemption") > layer("mpistrat.checkpoint.manager") > \
         layer("mpistrat.distribute.input_lib") > layer("mpistrat.data.readers") > \
         layer("mpistrat.collectives.engine")

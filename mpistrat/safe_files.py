@@ -8,7 +8,7 @@ it, and renames it over the target only while that name is still the file it
 created::
 
     >>> import os, tempfile
-    >>> from mpistrat.io.safe_files import replace_atomically
+    >>> from mpistrat.safe_files import replace_atomically
     >>> path = os.path.join(tempfile.mkdtemp(), "state")
     >>> replace_atomically(path, lambda handle: handle.write(b"ok"))
     >>> open(path, "rb").read()

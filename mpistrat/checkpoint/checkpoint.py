@@ -58,7 +58,6 @@ from mpistrat.checkpoint.status import (CheckpointLoadStatus, InitializationOnly
 from mpistrat.checkpoint.pytrees import as_saved, saved_kind
 from mpistrat.checkpoint.matching import (agree_plan, check_compatible as _check_compatible,
                                           fit_to_slot)
-from mpistrat.collectives.agreement import Failure, agree_errors
 from mpistrat.distribute.context import outside_strategies
 from mpistrat.distribute.variables import Variable
 from mpistrat.runtime import timeline
@@ -316,12 +315,9 @@ class Checkpoint:
 def _agreed_slots(named: Dict[str, Any], engine, path: str):
     """The slots of a save; a value that cannot be saved (``ValueError`` naming each path)
     raises on every rank, even where only one rank's graph holds it."""
-    slots, failure = None, None
-    try:
+    slots = None
+    with engine.agreed(f"saving {path}"):
         slots = collect_slots(named, strict=True)
-    except ValueError as err:
-        failure = Failure(err, engine.rank)
-    agree_errors(engine, failure, f"saving {path}")
     return slots
 
 
@@ -342,14 +338,11 @@ class _SaveJob:
     def _run(self) -> None:
         try:
             H5Writer(self.path, self.engine, self.kinds).write(self.values)
-            failure = None
-            if self.on_commit is not None and self.engine.rank == 0:
-                try:
-                    self.on_commit()
-                except Exception as err:  # noqa: BLE001 - shared with every rank below
-                    failure = Failure(err, 0, "updating the checkpoint state file")
             # the state file names the new checkpoint before anyone moves on
-            agree_errors(self.engine, failure, f"saving checkpoint {self.path}")
+            with self.engine.agreed(f"saving checkpoint {self.path}",
+                                    doing="updating the checkpoint state file"):
+                if self.on_commit is not None and self.engine.rank == 0:
+                    self.on_commit()
         except BaseException:
             if self.on_failure is not None:
                 self.on_failure()

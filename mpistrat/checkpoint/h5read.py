@@ -25,7 +25,7 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
-from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+from mpistrat.collectives.agreement import agree_view
 from mpistrat.checkpoint.dtypes import ARRAY_TYPE_ATTR, DTYPE_ATTR, logical_dtype
 from mpistrat.checkpoint.files import part_match
 from mpistrat.checkpoint.graph import check_path
@@ -77,15 +77,15 @@ class Entry:
 
 def read_catalog(final: str, engine: CollectiveEngine) -> Dict[str, Entry]:
     """The validated contents of ``final``, the same on every rank (collective)."""
-    failure, catalog = None, None
-    try:
-        catalog = _catalog(final)
-    except (DataLossError, NotFoundError) as err:
-        failure = Failure(err, engine.rank)
-    except Exception as err:  # noqa: BLE001 - h5py raises OSError/KeyError on damaged files
-        failure = Failure(DataLossError(f"{final} could not be read as an mpistrat checkpoint "
-                                        f"({type(err).__name__}: {err})"), engine.rank)
-    agree_errors(engine, failure, f"restoring {final}")
+    catalog = None
+    with engine.agreed(f"restoring {final}"):
+        try:
+            catalog = _catalog(final)
+        except (DataLossError, NotFoundError):
+            raise
+        except Exception as err:  # noqa: BLE001 - h5py raises OSError/KeyError on damaged files
+            raise DataLossError(f"{final} could not be read as an mpistrat checkpoint "
+                                f"({type(err).__name__}: {err})") from err
     digest = hashlib.sha1(repr(sorted((p, e.shape, e.dtype.str, e.kind, e.partitions,
                                        e.checksums) for p, e in catalog.items())).encode())
     agree_view(engine, digest.hexdigest()[:16], f"{final} (its contents)", error=DataLossError)
@@ -327,30 +327,29 @@ def read_values(final: str, reader: Reader, paths) -> Dict[str, np.ndarray]:
     engine, catalog = reader.engine, reader.catalog
     values: Dict[str, np.ndarray] = {}
     large: List[str] = []
-    failure = None
-    try:
-        checks: List[Future] = []
-        for path in sorted(paths):
-            entry = catalog[path]
-            dest = np.empty(entry.shape, dtype=entry.dtype)
-            rows = dest.reshape((1,) + entry.shape) if not entry.shape else dest
-            first, stop = reader.run(entry)
-            for k in range(first, stop):
-                a, b = entry.partitions[k]
-                reader.read_into(*entry.pieces[k], rows[a:b], entry, k)
-                if reader.verifies(k):
-                    checks.append(reader.pool.submit(_verify, rows[a:b], entry, k,
-                                                     entry.pieces[k][0]))
-            values[path] = dest
-            if reader.split(entry):
-                large.append(path)
-        for check in checks:
-            check.result()
-    except (DataLossError, NotFoundError) as err:
-        failure = Failure(err, engine.rank)
-    except OSError as err:
-        failure = Failure(DataLossError(f"reading {final}: {err}"), engine.rank)
-    agree_errors(engine, failure, f"restoring {final}")
+    with engine.agreed(f"restoring {final}"):
+        try:
+            checks: List[Future] = []
+            for path in sorted(paths):
+                entry = catalog[path]
+                dest = np.empty(entry.shape, dtype=entry.dtype)
+                rows = dest.reshape((1,) + entry.shape) if not entry.shape else dest
+                first, stop = reader.run(entry)
+                for k in range(first, stop):
+                    a, b = entry.partitions[k]
+                    reader.read_into(*entry.pieces[k], rows[a:b], entry, k)
+                    if reader.verifies(k):
+                        checks.append(reader.pool.submit(_verify, rows[a:b], entry, k,
+                                                         entry.pieces[k][0]))
+                values[path] = dest
+                if reader.split(entry):
+                    large.append(path)
+            for check in checks:
+                check.result()
+        except (DataLossError, NotFoundError):
+            raise
+        except OSError as err:
+            raise DataLossError(f"reading {final}: {err}") from err
     for path in large:  # every node read one run of partitions; complete them in place
         _all_gather_rows(values[path], catalog[path], engine, reader)
     return values

@@ -1,6 +1,6 @@
 """Writing a checkpoint file: HDF5 lays it out, every rank writes its partitions itself.
 
-Each step ends with the ranks agreeing on success (``agree.agree_errors``), so
+Each step ends with the ranks agreeing on success (``engine.agreed``), so
 a full disk, a read-only directory or a file size limit on one rank ends in the
 same named error on every rank, and the previous checkpoint stays intact:
 
@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+from mpistrat.collectives.agreement import agree_view
 from mpistrat.checkpoint import h5layout
 from mpistrat.checkpoint.consensus import agree_values, value_digest
 from mpistrat.checkpoint.h5base import FORMAT_VERSION, checksum
@@ -130,8 +130,9 @@ def write_file(final: str, values: Dict[str, np.ndarray], kinds: Dict[str, str],
     what = f"saving checkpoint {final}"
     token = broadcast_object(engine, uuid.uuid4().hex if rank == 0 else None, 0,
                              f"{what}: the save token")
-    failure, stored = _attempt(rank, "checking dtypes", lambda: _stored(values))
-    agree_errors(engine, failure, what)
+    stored = None
+    with engine.agreed(what, doing="checking dtypes"):
+        stored = _stored(values)
     plan = _Plan({p: v for p, (v, _) in stored.items()}, rank, size)
     plan.dtype_names = {p: name for p, (_, name) in stored.items() if name is not None}
     plan.tf_attrs = {p: value_attrs((tf_names or {}).get(p), (tf_keys or {}).get(p))
@@ -141,7 +142,8 @@ def write_file(final: str, values: Dict[str, np.ndarray], kinds: Dict[str, str],
     fault_point("checkpoint-before-checksums")
     checksums = dict(zip(every, _parallel_checksums([plan.block(*pk) for pk in every])))
     agree_values(engine, _value_table(plan, kinds, checksums), what)
-    agree_errors(engine, _preflight(directory, plan, rank), what)
+    with engine.agreed(what, doing="checking space"):
+        _preflight(directory, plan, rank)
     if mode == "parts":
         _write_parts(final, plan, kinds, checksums, token, engine, what)
     else:
@@ -170,8 +172,9 @@ def _value_table(plan: "_Plan", kinds, checksums) -> Dict[str, Tuple[str, str]]:
     return table
 
 
-def _preflight(directory: str, plan: _Plan, rank: int) -> Optional[Failure]:
-    """Free space (rank 0) and the file size limit (every rank), before any write.
+def _preflight(directory: str, plan: _Plan, rank: int) -> None:
+    """Free space (rank 0) and the file size limit (every rank), before any write: an
+    ``OSError`` (``EFBIG``, ``ENOSPC``) when the checkpoint cannot fit.
 
     HDF5 can crash when its own metadata writes fail, so what it writes must
     fit: the file size limit (exact and local) is always checked, and so is
@@ -181,21 +184,17 @@ def _preflight(directory: str, plan: _Plan, rank: int) -> Optional[Failure]:
     own checked writes, with the same named error).
     """
     need = plan.nbytes + _META_BYTES
-    try:
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        if limit != resource.RLIM_INFINITY and limit < need:
-            raise OSError(27, f"the file size limit (ulimit -f) is {limit} bytes, the "
-                              f"checkpoint needs up to {need}")
-        if rank == 0:
-            if not settings.get("MPISTRAT_CHECKPOINT_PREFLIGHT"):
-                need = _META_BYTES
-            stat = os.statvfs(directory)
-            free = stat.f_bavail * stat.f_frsize
-            if free < need:
-                raise OSError(28, f"{directory} has {free} bytes free, the checkpoint needs {need}")
-    except OSError as err:
-        return Failure(err, rank, "checking space")
-    return None
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and limit < need:
+        raise OSError(27, f"the file size limit (ulimit -f) is {limit} bytes, the "
+                          f"checkpoint needs up to {need}")
+    if rank == 0:
+        if not settings.get("MPISTRAT_CHECKPOINT_PREFLIGHT"):
+            need = _META_BYTES
+        stat = os.statvfs(directory)
+        free = stat.f_bavail * stat.f_frsize
+        if free < need:
+            raise OSError(28, f"{directory} has {free} bytes free, the checkpoint needs {need}")
 
 
 def _attr_spec(value):
@@ -272,13 +271,6 @@ def _root_attrs(size: int, token: str, extra: Optional[Dict] = None) -> Dict:
             "mpistrat_token": token, **(extra or {})}
 
 
-def _attempt(rank: int, what: str, step) -> Tuple[Optional[Failure], object]:
-    try:
-        return None, step()
-    except Exception as err:  # noqa: BLE001 - agreed on by every rank, then raised
-        return Failure(err, rank, what), None
-
-
 def _discard(*paths: str) -> None:
     for path in paths:
         try:
@@ -292,24 +284,22 @@ def _write_shared(final, plan, kinds, checksums, token, engine, what) -> None:
     tmp = temp_name(final, token)
     created = None  # rank 0: the descriptor of the file it created
     try:
-        failure, offsets = (None, None)
-        if rank == 0:
-            entries = [(p, plan.values[p], _attrs(plan, kinds, checksums, p)) for p in plan.paths]
-            failure, laid = _attempt(rank, f"laying out {tmp}", lambda: _create_layout(
-                tmp, entries, _root_attrs(size, token, plan.root_attrs)))
-            if laid is not None:
-                offsets, created = laid
-        agree_errors(engine, failure, what)
+        offsets = None
+        with engine.agreed(what, doing=f"laying out {tmp}"):
+            if rank == 0:
+                entries = [(p, plan.values[p], _attrs(plan, kinds, checksums, p))
+                           for p in plan.paths]
+                offsets, created = _create_layout(tmp, entries,
+                                                  _root_attrs(size, token, plan.root_attrs))
         offsets = broadcast_object(engine, offsets, 0, f"{what}: the layout")
         agree_view(engine, "file" if os.path.isfile(tmp) else "nothing", f"{tmp} (written by rank 0)")
         blocks = [(offsets[p] + plan.layouts[p][k][0] * _row_bytes(plan.values[p]), plan.block(p, k))
                   for p, k in plan.owned if p in offsets]
-        failure, _ = _attempt(rank, f"writing {tmp}", lambda: _write_blocks(tmp, blocks))
-        agree_errors(engine, failure, what)
-        failure = None
-        if rank == 0:
-            failure, _ = _attempt(rank, f"committing {final}", lambda: _commit(tmp, final, created))
-        agree_errors(engine, failure, what)
+        with engine.agreed(what, doing=f"writing {tmp}"):
+            _write_blocks(tmp, blocks)
+        with engine.agreed(what, doing=f"committing {final}"):
+            if rank == 0:
+                _commit(tmp, final, created)
     except BaseException:
         if created is not None and same_file(created, tmp):
             _discard(tmp)
@@ -350,13 +340,11 @@ def _write_parts(final, plan, kinds, checksums, token, engine, what) -> None:
             os.close(fd)
 
     try:
-        failure, _ = _attempt(rank, f"writing {tmp}", write_part)
-        agree_errors(engine, failure, what)
-        failure = None
-        if rank == 0:
-            failure, _ = _attempt(rank, f"writing the master {master_tmp}", lambda: _write_master(
-                master_tmp, final, plan, kinds, checksums, parts, token, size))
-        agree_errors(engine, failure, what)
+        with engine.agreed(what, doing=f"writing {tmp}"):
+            write_part()
+        with engine.agreed(what, doing=f"writing the master {master_tmp}"):
+            if rank == 0:
+                _write_master(master_tmp, final, plan, kinds, checksums, parts, token, size)
     except BaseException:
         _discard(tmp, mine, *([master_tmp] if rank == 0 else []))
         raise

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List
 import numpy as np
 
 from mpistrat.checkpoint.graph import Slot
-from mpistrat.collectives.agreement import Failure, agree_errors, rank_list, views_differ
+from mpistrat.collectives.agreement import rank_list, views_differ
 from mpistrat.collectives.objects import allgather_object
 from mpistrat.errors import InvalidArgumentError
 
@@ -111,15 +111,10 @@ def agree_plan(engine, slots: Dict[str, Slot], wanted: Dict[str, object], source
     """Check each wanted value against its slot, then agree (collective): a mismatch on any
     rank, or ranks that would read different values, raise ``ValueError`` on every rank,
     naming the rank and the object paths, before anything is read."""
-    failure = None
-    for path, entry in sorted(wanted.items()):
-        try:
+    with engine.agreed(f"restoring {source}",
+                       hint="build the objects as they were saved, alike on every rank"):
+        for path, entry in sorted(wanted.items()):   # (the first mismatch is this rank's)
             check(slots[path], entry, path, source)
-        except Exception as err:  # noqa: BLE001 - agreed below, then raised on every rank
-            failure = Failure(err, engine.rank)
-            break
-    agree_errors(engine, failure, f"restoring {source}",
-                 hint="build the objects as they were saved, alike on every rank")
     paths = sorted(wanted)
     if not views_differ(engine, paths):
         return

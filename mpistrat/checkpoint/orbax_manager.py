@@ -34,7 +34,7 @@ from mpistrat.checkpoint.files import data_file, local_view
 from mpistrat.checkpoint.h5write import write_file
 from mpistrat.checkpoint.orbax_options import (CheckpointManagerOptions, StepAlreadyExistsError,
                                                check_step, retained, should_save)
-from mpistrat.checkpoint.orbax_restore import agree, agreed_manifest, read_item
+from mpistrat.checkpoint.orbax_restore import agreed, agreed_manifest, read_item
 from mpistrat.checkpoint.orbax_steps import (MANIFEST, check_item_name, commit, delete_step,
                                              foreign_hint, remove_stale, scan, step_dir,
                                              temp_dir, write_manifest)
@@ -211,8 +211,8 @@ class OrbaxCheckpointManager:
             raise StepAlreadyExistsError(f"Checkpoint for step {step} already exists.")
         asynchronous = self._options.enable_async_checkpointing and \
             MPI.Query_thread() >= MPI.THREAD_MULTIPLE
-        error, described = None, {}
-        try:
+        described = {}
+        with agreed(self._engine, f"saving step {step} in {self._directory}"):
             for name, arg in sorted(wanted.items()):
                 if not isinstance(arg, (StandardSave, PyTreeSave)):
                     raise ValueError(f"item {name!r}: expected StandardSave or PyTreeSave, "
@@ -223,9 +223,6 @@ class OrbaxCheckpointManager:
                 if a.lower() == b.lower():   # one file where case is folded (macOS, CIFS)
                     raise ValueError(f"items {a!r} and {b!r} differ only in case: an item is "
                                      f"a file, so their names must differ otherwise")
-        except (ValueError, TypeError, NotImplementedError) as err:
-            error = err
-        agree(self._engine, error, f"saving step {step} in {self._directory}")
         final = step_dir(self._directory, step)
         if agree_view(self._engine, local_view(final), final, error=DataLossError) != "missing":
             raise StepAlreadyExistsError(f"{final} already exists{foreign_hint(final)}; "
@@ -331,8 +328,8 @@ class OrbaxCheckpointManager:
         path = step_dir(root, step)
         manifest = agreed_manifest(self._engine, path, step)
         single = manifest["mode"] == "single"
-        error, plan = None, {}
-        try:
+        plan = {}
+        with agreed(self._engine, f"restoring {path}"):
             if single and isinstance(args, Composite):
                 raise ValueError("Cannot provide `args` of type `Composite` when dealing with "
                                  "a single, unnamed (default) checkpointable object.")
@@ -346,9 +343,6 @@ class OrbaxCheckpointManager:
                     raise ValueError(f"{path} has no item {name!r}; its items: "
                                      f"{sorted(manifest['items'])}")
                 plan[name] = _restore_arg(arg)
-        except (ValueError, TypeError) as err:
-            error = err
-        agree(self._engine, error, f"restoring {path}")
         if directory is None and self._single is None:
             self._single = single
         restored = {name: read_item(self._engine, path, name, manifest["items"][name],

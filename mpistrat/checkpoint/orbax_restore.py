@@ -5,13 +5,15 @@ and is ours (its manifest), each item's file is complete and holds exactly the v
 manifest names, and a target tree fits the saved values (``ValueError`` naming the path).
 Values are then read as ``ms.Checkpoint`` reads them (collectively, checksums verified).
 
-    >>> from mpistrat.checkpoint.orbax_restore import agree
+    >>> from mpistrat.checkpoint.orbax_restore import agreed
     >>> from mpistrat.checkpoint.directory import io_engine
-    >>> agree(io_engine(), None, "nothing failed")
+    >>> with agreed(io_engine(), "nothing failed"):
+    ...     pass
 """
 
+import contextlib
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator
 
 from mpistrat.checkpoint.args import OrbaxNotSupportedError
 from mpistrat.checkpoint.files import data_file, local_view
@@ -20,16 +22,19 @@ from mpistrat.checkpoint.matching import read_batches
 from mpistrat.checkpoint.orbax_steps import MANIFEST, foreign_hint, read_manifest
 from mpistrat.checkpoint.orbax_tree import (check_target, rebuild_target, saved_leaves,
                                             saved_tree, target_leaves)
-from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+from mpistrat.collectives.agreement import agree_view
 from mpistrat.errors import DataLossError, NotFoundError
 
-__all__ = ["agree", "agreed_manifest", "read_item"]
+__all__ = ["agreed", "agreed_manifest", "read_item"]
 
 
-def agree(engine, error: Optional[BaseException], what: str) -> None:
-    """``agree_errors``, keeping ``OrbaxNotSupportedError`` a ``NotImplementedError``."""
+@contextlib.contextmanager
+def agreed(engine, what: str) -> Iterator[None]:
+    """``engine.agreed(what)`` (a failure on any rank raises on every rank), keeping an
+    ``OrbaxNotSupportedError`` one (a ``NotImplementedError``) on every rank."""
     try:
-        agree_errors(engine, None if error is None else Failure(error, engine.rank), what)
+        with engine.agreed(what):
+            yield
     except RuntimeError as err:
         if "OrbaxNotSupportedError: " in str(err):
             raise OrbaxNotSupportedError(str(err)) from None
@@ -73,8 +78,8 @@ def read_item(engine, path: str, name: str, structure: dict, target: Any,
     if set(saved) != set(catalog):
         raise DataLossError(f"{final} does not hold the values its manifest names (paths "
                             f"{sorted(set(saved) ^ set(catalog))[:5]} differ)")
-    error, wanted = None, sorted(saved)
-    try:
+    wanted = sorted(saved)
+    with agreed(engine, f"restoring {final}"):
         if target is not None:
             leaves = target_leaves(target)
             missing, extra = set(leaves) - set(saved), set(saved) - set(leaves)
@@ -88,9 +93,6 @@ def read_item(engine, path: str, name: str, structure: dict, target: Any,
             for leaf_path, leaf in sorted(leaves.items()):
                 check_target(leaf, catalog[leaf_path], leaf_path, final)
             wanted = sorted(leaves)
-    except (ValueError, TypeError, NotImplementedError) as err:
-        error = err
-    agree(engine, error, f"restoring {final}")
     agree_view(engine, wanted, f"the values to restore from {final}", error=ValueError,
                hint="every rank must pass a target of the same structure")
     entries = {p: catalog[p] for p in wanted}

@@ -41,7 +41,7 @@ from mpistrat.checkpoint.files import state_name
 from mpistrat.checkpoint.graph import leaf_slot
 from mpistrat.checkpoint.tf_structure import bind, structural_matches
 from mpistrat.checkpoint.state_file import read_state
-from mpistrat.collectives.agreement import Failure, agree_errors, agree_view
+from mpistrat.collectives.agreement import agree_view
 from mpistrat.collectives.deadline import wait_all
 from mpistrat.collectives.objects import deadline_of
 from mpistrat.errors import DataLossError, NotFoundError
@@ -162,15 +162,12 @@ def read_collective(entries: Dict[str, BundleEntry], engine):
         for batch in _batches(entries):
             readers = assign_readers([entries[p].size for p in batch], engine.size)
             raws = {p: np.empty(entries[p].size, dtype=np.uint8) for p in batch}
-            failure = None
-            try:
+            with engine.agreed("restoring a TensorFlow checkpoint",
+                               doing="reading a TensorFlow checkpoint"):
                 for path, reader in zip(batch, readers):
                     if reader == engine.rank:
                         _read_at(entries[path], raws[path], handles)
                         read_counts["bytes"] += raws[path].nbytes
-            except (DataLossError, NotFoundError, OSError) as err:
-                failure = Failure(err, engine.rank, "reading a TensorFlow checkpoint")
-            agree_errors(engine, failure, "restoring a TensorFlow checkpoint")
             values = {}
             for path, reader in zip(batch, readers):
                 raw = raws.pop(path)
@@ -302,13 +299,10 @@ def _digest(index: BundleIndex) -> str:
 
 def open_values(prefix: str, engine) -> TensorFlowValues:
     """The validated index and graph of ``prefix``, the same on every rank (collective)."""
-    failure, index, entry = None, None, None
-    try:
+    index, entry = None, None
+    with engine.agreed(f"reading {prefix}"):
         index = read_index(prefix)
         entry = graph_entry(index)
-    except (DataLossError, NotFoundError, ValueError) as err:
-        failure = Failure(err, engine.rank)
-    agree_errors(engine, failure, f"reading {prefix}")
     agree_view(engine, _digest(index), f"{index_name(prefix)} (its contents)",
                error=DataLossError)
     graph = None

@@ -174,8 +174,8 @@ def test_host_backend_refuses_device_buffers_by_name():
     fake = FakeDeviceArray()
     assert array_kind(fake) == "cuda"
     host = HostMPI()
-    for call in (lambda: host.all_reduce(MPI.COMM_SELF, [np.ones(2), fake], ReduceOp.SUM, 0,
-                                         None),
+    for call in (lambda: host.all_reduce(MPI.COMM_SELF, [np.ones(2), fake], ReduceOp.SUM,
+                                         ms.CommunicationOptions(), None),
                  lambda: host.all_gather(MPI.COMM_SELF, [fake], [[4]], 0, None),
                  lambda: host.broadcast(MPI.COMM_SELF, [fake], 0, None)):
         with pytest.raises(DeviceBufferRefused, match="tensor .*FakeDeviceArray.*CUDA-aware"):

@@ -80,10 +80,12 @@ def factor(array) -> int:
 
 
 def options_of(options: Any) -> CommunicationOptions:
-    """Backends accept the merged options, or (older callers) a plain ``pack_bytes`` int."""
+    """The ``CommunicationOptions`` a backend was handed (the engine's, merged with the
+    call's); anything else, a plain ``bytes_per_pack`` int included, is a ``TypeError``."""
     if isinstance(options, CommunicationOptions):
         return options
-    return CommunicationOptions(bytes_per_pack=int(options or 0))
+    raise TypeError(f"a collective backend takes CommunicationOptions, got "
+                    f"{type(options).__name__} {options!r}")
 
 
 def plan_members(shapes: Sequence[Tuple[int, ...]], dtypes: Sequence[str],
@@ -132,8 +134,8 @@ class Backend:
         """``(algorithm, why)`` this backend runs for one buffer of ``nbytes``."""
         return explain_algorithm(nbytes, size, topology=topology, preference=preference)
 
-    def all_reduce(self, comm: MPI.Comm, arrays: Sequence, op: ReduceOp, options,
-                   deadline: Optional[Deadline]) -> List:
+    def all_reduce(self, comm: MPI.Comm, arrays: Sequence, op: ReduceOp,
+                   options: CommunicationOptions, deadline: Optional[Deadline]) -> List:
         raise NotImplementedError
 
     def all_gather(self, comm: MPI.Comm, arrays: Sequence, counts: Sequence[Sequence[int]],

@@ -9,8 +9,10 @@ buffers are refused by name: this backend's MPI may not be CUDA-aware::
     >>> import numpy as np
     >>> from mpi4py import MPI
     >>> from mpistrat.collectives.backends.host import HostMPI
+    >>> from mpistrat.collectives.options import CommunicationOptions
     >>> from mpistrat.collectives.reduce_op import ReduceOp
-    >>> HostMPI().all_reduce(MPI.COMM_SELF, [np.ones(2)], ReduceOp.SUM, 0, None)
+    >>> HostMPI().all_reduce(MPI.COMM_SELF, [np.ones(2)], ReduceOp.SUM, CommunicationOptions(),
+    ...                      None)
     [array([1., 1.])]
 """
 

@@ -29,34 +29,15 @@ Given an optax ``GradientTransformation`` it returns one that reduces the update
 way (inside ``jax.jit`` too), accumulating N passes first when asked, before the given one.
 """
 
-import contextlib
 import functools
-import threading
 import types
 from typing import Any, List, Optional
 
 import numpy as np
 
-__all__ = ["GradientReduction", "distribute", "reduced_here", "optax_transformation"]
+from mpistrat.keras.context import reduced_already, reduced_here
 
-_LOCAL = threading.local()   # .depth > 0: inside an apply that already reduced (nested calls
-                             # of LossScaleOptimizer and stateless_apply apply as they are)
-
-
-@contextlib.contextmanager
-def reduced_here():
-    """Within it the gradients handed to a ``DistributedOptimizer`` were already reduced over
-    the ranks (a distributed ``fit``'s train step): they are applied as they are."""
-    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _LOCAL.depth -= 1
-
-
-def _reduced_already() -> bool:
-    return getattr(_LOCAL, "depth", 0) > 0
-
+__all__ = ["GradientReduction", "distribute", "optax_transformation"]
 
 def _traced(leaves) -> bool:
     import jax
@@ -96,6 +77,14 @@ class GradientReduction:
         from mpistrat.horovod.compression import Compression
         return self.op == Average and self.compression is Compression.none and \
             self.predivide == 1.0 and self.passes == 1
+
+    def take_outer(self, optimizer: Any) -> None:
+        """``optimizer`` holds this reduction's ``DistributedOptimizer`` (Keras's
+        ``LossScaleOptimizer`` under ``mixed_float16``): it reduces at its own entry, so every
+        rank checks the same reduced gradients for inf/NaN; the inner one then applies them as
+        they are (``reduced_here``)."""
+        if _reduction(optimizer) is None:
+            distribute(optimizer, self)
 
     # -- the reduction ------------------------------------------------------------------
     def host(self, *arrays) -> tuple:
@@ -245,7 +234,7 @@ def _apply(self, grads, trainable_variables=None):
     original = type(self).apply
     reduction = _reduction(self)
     grads = list(grads)
-    if reduction is None or _reduced_already() or not grads:
+    if reduction is None or reduced_already() or not grads:
         return original(self, grads, trainable_variables)
     present = [g for g in grads if g is not None]
     if reduction.passes > 1:
@@ -267,7 +256,7 @@ def _stateless_apply(self, optimizer_variables, grads, trainable_variables):
     gradients reduced over the ranks first (an ordered host callback inside ``jax.jit``)."""
     original = type(self).stateless_apply
     reduction = _reduction(self)
-    if reduction is None or _reduced_already():
+    if reduction is None or reduced_already():
         return original(self, optimizer_variables, grads, trainable_variables)
     reduction.refuse_traced_passes("optimizer.stateless_apply")
     reduced = reduction.reduce(list(grads))
@@ -284,16 +273,6 @@ def distribute(optimizer: Any, reduction: GradientReduction) -> Any:
     optimizer.apply = types.MethodType(_apply, optimizer)
     optimizer.stateless_apply = types.MethodType(_stateless_apply, optimizer)
     return optimizer
-
-
-def wrap_outer(optimizer: Any) -> None:
-    """An optimizer that holds a ``DistributedOptimizer`` (Keras's ``LossScaleOptimizer``
-    under ``mixed_float16``) reduces at its own entry, so every rank checks the same reduced
-    gradients for inf/NaN; the inner one then applies them as they are."""
-    inner = getattr(optimizer, "inner_optimizer", None)
-    reduction = _reduction(inner) if inner is not None else None
-    if reduction is not None and _reduction(optimizer) is None:
-        distribute(optimizer, reduction)
 
 
 # -- optax -------------------------------------------------------------------------------------

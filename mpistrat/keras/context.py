@@ -5,6 +5,9 @@ import each other:
 * ``global_metrics()``: within it, metrics made in a scope already hold the replicas' global
   sums (a distributed ``fit``, ``evaluate`` or ``predict``), so ``result()`` reads them as
   they are (``holds_global_sums``);
+* ``reduced_here()``: within it, the gradients a ``DistributedOptimizer`` (``hvd``) is
+  handed were already reduced over the ranks (a distributed ``fit``'s train step), so it
+  applies them as they are (``reduced_already``);
 * ``train_alone(model)``: this rank's copy may train alone where a strategy of several
   replicas exists (``fit``'s guard lets it pass)::
 
@@ -12,12 +15,32 @@ import each other:
           assert holds_global_sums()
 """
 
+import contextlib
 import threading
 from typing import Any
 
-__all__ = ["global_metrics", "holds_global_sums", "train_alone"]
+__all__ = ["global_metrics", "holds_global_sums", "reduced_here", "reduced_already",
+           "train_alone"]
 
-_LOCAL = threading.local()   # .global_state: the metrics hold global sums (this thread)
+_LOCAL = threading.local()   # .global_state: the metrics hold global sums (this thread);
+                             # .reduced: depth of reduced_here (nested LossScaleOptimizer and
+                             # stateless_apply calls apply as they are)
+
+
+@contextlib.contextmanager
+def reduced_here():
+    """Within it the gradients handed to a ``DistributedOptimizer`` were already reduced over
+    the ranks (a distributed ``fit``'s train step): they are applied as they are."""
+    _LOCAL.reduced = getattr(_LOCAL, "reduced", 0) + 1
+    try:
+        yield
+    finally:
+        _LOCAL.reduced -= 1
+
+
+def reduced_already() -> bool:
+    """Whether this thread runs inside ``reduced_here``."""
+    return getattr(_LOCAL, "reduced", 0) > 0
 
 
 class global_metrics:

@@ -137,8 +137,8 @@ def _wrap(keras) -> None:
         elif strategy is None and _horovod_strategy(self.optimizer) is not None:
             # hvd.DistributedOptimizer (maybe inside Keras's LossScaleOptimizer, which then
             # reduces at its own entry): each rank its own rows, gradients averaged
-            from mpistrat.horovod.optimizer import wrap_outer
-            wrap_outer(self.optimizer)
+            from mpistrat.keras.steps import _horovod_reduction
+            _horovod_reduction(self.optimizer).take_outer(self.optimizer)
             distribute_model(self, _horovod_strategy(self.optimizer), per_rank_data=True)
         return result
 

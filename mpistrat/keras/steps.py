@@ -35,8 +35,8 @@ all-reduce per step (``ms.nn.all_reduce_gradients``)::
 
 from typing import Any
 
-from mpistrat.horovod.optimizer import reduced_here
 from mpistrat.keras.checks import _rows, loss_rule
+from mpistrat.keras.context import reduced_here
 
 __all__ = ["make_steps"]
 

@@ -39,7 +39,7 @@ def test_mesh_programs_under_every_binding(launch, ranks, devices, binding):
     assert len(ends) == ranks, done                       # every rank's tests passed
     if binding == "one-cpu":
         assert len(set(ends)) == 1 and "," not in ends[0], done   # one CPU for the whole job
-    assert done.output.count("10 passed") == ranks, done
+    assert done.output.count("11 passed") == ranks, done   # every test of the file
 
 
 COUNTS = """

@@ -174,19 +174,15 @@ class _Aggregation:
         """Device ``position``'s part of one all-reduce of all ``count`` devices' leaves, met
         only with the calls of the same traced callback (``site``)."""
         timeout = self.engine.options.merge(self.options).timeout_seconds
-        return tuple(host_callbacks.gathered(count, int(position),
-                                             [np.asarray(leaf) for leaf in leaves],
-                                             lambda parts: self._devices(count, parts), timeout,
-                                             site))
 
-    def _devices(self, count: int, parts):
-        flat = [array for part in parts for array in part]
-        with host_callbacks.running():   # (ranks with other device counts differ by name)
+        def reduce_flat(flat):   # (ranks with other device counts differ by name)
             out = self.engine.all_reduce(flat, self.op, self.options,
                                          label=f"ms.nn, {count} devices per rank")
-        out = [np.asarray(r, dtype=a.dtype).reshape(a.shape) for r, a in zip(out, flat)]
-        width = len(parts[0])
-        return [out[i * width:(i + 1) * width] for i in range(count)]
+            return [np.asarray(r, dtype=a.dtype).reshape(a.shape) for r, a in zip(out, flat)]
+
+        return tuple(host_callbacks.gathered_flat(count, int(position),
+                                                  [np.asarray(leaf) for leaf in leaves],
+                                                  reduce_flat, timeout, site))
 
     def traced(self, leaves, what: str):
         """The reduced leaves, through an ordered host callback of the traced program."""

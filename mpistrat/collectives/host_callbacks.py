@@ -40,7 +40,7 @@ from mpistrat.errors import DeadlineExceededError, InvalidArgumentError
 from mpistrat.runtime import jax_threads
 
 __all__ = ["TRACED", "traced", "running", "inside", "settle", "gathered", "site", "Site",
-           "per_device_axes", "traced_at",
+           "gathered_flat", "per_device_axes", "traced_at",
            "RENDEZVOUS_SECONDS"]
 
 # Whether a collective was ever traced into a callback. Hot paths test it themselves
@@ -190,6 +190,27 @@ def gathered(count: int, position: int, values: list,
     if call.error is not None:
         raise call.error
     return call.result[position]
+
+
+def gathered_flat(count: int, position: int, values: list,
+                  reduce_flat: Callable[[list], Sequence], timeout: Optional[float],
+                  site: Optional[Site] = None) -> list:
+    """``gathered`` for a reduction of every device's values as one flat list (device 0's
+    first), one result per value, run as a host callback's collective (``running``): device
+    ``position`` gets back the results of its own values.
+
+        >>> gathered_flat(1, 0, [1.0, 2.0], lambda flat: [2 * v for v in flat], None)
+        [2.0, 4.0]
+    """
+    width = len(values)
+
+    def reduce(parts):
+        flat = [value for part in parts for value in part]
+        with running():
+            out = list(reduce_flat(flat))
+        return [out[i * width:(i + 1) * width] for i in range(len(parts))]
+
+    return gathered(count, position, values, reduce, timeout, site)
 
 
 def _fail(gathering: _Gathering, number: int, call: _Call, count: int, name: str,

@@ -98,17 +98,9 @@ class GradientReduction:
         (inside ``shard_map``/``pmap``): device ``i``'s meet device ``i``'s of every rank."""
         from mpistrat.collectives import host_callbacks
         timeout = self.strategy.extended.engine.options.timeout_seconds
-        return tuple(host_callbacks.gathered(count, int(position),
-                                             [np.asarray(a) for a in arrays],
-                                             lambda parts: self._devices(parts), timeout, site))
-
-    def _devices(self, parts) -> list:
-        from mpistrat.collectives import host_callbacks
-        flat = [array for part in parts for array in part]
-        with host_callbacks.running():
-            out = self.reduce_host(*flat, devices=len(parts))
-        width = len(parts[0])
-        return [list(out[i * width:(i + 1) * width]) for i in range(len(parts))]
+        return tuple(host_callbacks.gathered_flat(
+            count, int(position), [np.asarray(a) for a in arrays],
+            lambda flat: self.reduce_host(*flat, devices=count), timeout, site))
 
     def reduce_host(self, *arrays, devices: int = 0) -> tuple:
         """Reduce host copies of the gradients by Horovod's rules; each result in its

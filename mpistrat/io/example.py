@@ -305,10 +305,18 @@ def parse_single_example(serialized, features: Dict[str, Any], example_names=Non
 
 def serialize_example(features: Dict[str, Any]) -> bytes:
     """A serialized ``tf.train.Example`` of ``name -> values`` (floats become a float list,
-    integers an int64 list, bytes and strings a bytes list)."""
+    integers an int64 list, bytes and strings a bytes list; bytes keep their trailing zero
+    bytes, which NumPy's ``S`` arrays drop)::
+
+        >>> parse_single_example(serialize_example({"s": [b"ab\\x00"]}),
+        ...                      {"s": VarLenFeature("string")})["s"].values.tolist()
+        [b'ab\\x00']
+    """
     feature = {}
     for key, values in sorted(features.items()):
         array = np.asarray(values)
+        if array.dtype.kind == "S" and not isinstance(values, np.ndarray):
+            array = np.asarray(values, dtype=object)      # the bytes as given
         if array.dtype.kind in "SUO":
             items = [v.encode() if isinstance(v, str) else bytes(v) for v in array.reshape(-1)]
             feature[str(key)] = {"bytes_list": {"value": items}}

@@ -193,3 +193,15 @@ def test_a_record_gets_the_same_answer_whatever_else_is_in_its_batch():
     for batch in ([broken_asked], [good, broken_asked], [broken_asked, unpacked]):
         with pytest.raises(ms.errors.InvalidArgumentError, match="example"):
             ms.io.parse_example(batch, features)
+
+
+def test_serialized_bytes_keep_their_trailing_zero_bytes():
+    """NumPy's ``S`` arrays drop trailing zero bytes; ``serialize_example`` writes the bytes
+    given (as ``tf.train.BytesList`` does), a list, a nested list or one value."""
+    for values, flat in (([b"ab\x00", b"\x00"], [b"ab\x00", b"\x00"]),
+                         ([[b"a\x00"], [b"b"]], [b"a\x00", b"b"]), (b"x\x00\x00", [b"x\x00\x00"])):
+        record = ex.serialize_example({"s": values})
+        assert record == ex.messages.serialize(
+            "Example", {"features": {"feature": {"s": {"bytes_list": {"value": flat}}}}})
+        parsed = ms.io.parse_example([record], {"s": ms.io.VarLenFeature("string")})
+        assert parsed["s"].values.tolist() == flat

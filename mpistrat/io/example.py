@@ -183,11 +183,32 @@ class _Spec:
         return self.default
 
 
+_CHECKED: Dict[tuple, List[_Spec]] = {}   # features checked before (a map's every batch)
+
+
 def _specs(features: Dict[str, Any]) -> List[_Spec]:
     if not isinstance(features, dict) or not features:
         raise InvalidArgumentError("features must be a non-empty dict of name -> "
                                    "FixedLenFeature or VarLenFeature")
-    return [_Spec(str(name), feature) for name, feature in sorted(features.items())]
+    key = _key_of(features)
+    known = _CHECKED.get(key) if key is not None else None
+    if known is None:
+        known = [_Spec(str(name), feature) for name, feature in sorted(features.items())]
+        if key is not None and len(_CHECKED) < 256:
+            _CHECKED[key] = known
+    return known
+
+
+def _key_of(features: Dict[str, Any]):
+    """The features as a key of ``_CHECKED``, or ``None``: only features without a
+    ``default_value`` are kept (a default's bits, -0.0 or 0.0, would hash alike)."""
+    try:
+        key = tuple((name, type(f), getattr(f, "dtype", None), tuple(getattr(f, "shape", ())),
+                     getattr(f, "allow_missing", None)) for name, f in sorted(features.items())
+                    if getattr(f, "default_value", None) is None)
+        return key if len(key) == len(features) and hash(key) is not None else None
+    except TypeError:      # (a name or dtype that cannot be sorted or hashed: checked anew)
+        return None
 
 
 def _array(pieces: List, spec: _Spec) -> np.ndarray:

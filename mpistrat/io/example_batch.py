@@ -4,7 +4,8 @@
 (``tfformats.wire_columns``): the records are joined into one buffer, then each level of the
 message (Example, Features, each map entry, Feature, the value list) is one vectorised step
 over all records, so the cost per record is a few NumPy element operations, not Python
-objects per feature per record. The result is what ``parse_example`` returns, bit for bit.
+objects per feature per record. Records that all share one layout are read as a matrix
+instead (``example_uniform.py``). The result is what ``parse_example`` returns, bit for bit.
 
 It answers ``None`` for a batch it leaves to the exact path (``fast_parsing.py``, TensorFlow's
 rules record by record): any record not in the canonical encoding TensorFlow and protobuf
@@ -27,6 +28,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from mpistrat.io.example_uniform import uniform_columns
 from mpistrat.io.sparse import SparseTensorValue, ragged_positions
 from mpistrat.tfformats.wire import WireError, read_varint
 from mpistrat.tfformats.wire_columns import (Unusual, as_int64, equal_spans, length_delimited,
@@ -190,29 +192,33 @@ def _default(spec) -> np.ndarray:
 
 
 def _parse(records: List[bytes], specs) -> Dict[str, Any]:
-    batch = _Batch(records)
-    out: Dict[str, Any] = {}
-    for spec in specs:
-        entries = batch.entries_of(spec.name)
-        present = batch.record[entries]
-        values, counts = _values(batch, spec, entries)
-        if spec.fixed:
-            if (counts != spec.size).any():
-                raise Unusual(f"feature {spec.name!r}: a count other than its shape's")
-            if len(present) == batch.count:
-                column = values.reshape(batch.count, spec.size)
-            elif spec.default is None:
-                raise Unusual(f"feature {spec.name!r} missing without a default")
-            else:
-                column = np.empty((batch.count, spec.size), dtype=spec.numpy)
-                column[:] = _default(spec)
-                column[present] = values.reshape(len(present), spec.size)
-            out[spec.name] = column.reshape((batch.count,) + spec.shape)
-            continue
-        lengths = np.zeros(batch.count, np.int64)
-        lengths[present] = counts
-        rows, positions = ragged_positions(lengths)
-        out[spec.name] = SparseTensorValue(
-            np.stack([rows, positions], axis=1).reshape(-1, 2), values,
-            np.array([batch.count, int(lengths.max())], dtype=np.int64))
-    return out
+    count, columns = len(records), uniform_columns(records, specs)   # one layout: a matrix
+    if columns is None:
+        batch = _Batch(records)
+        columns = []
+        for spec in specs:
+            entries = batch.entries_of(spec.name)
+            columns.append((batch.record[entries],) + _values(batch, spec, entries))
+    return {spec.name: _assembled(spec, count, *column) for spec, column in zip(specs, columns)}
+
+
+def _assembled(spec, count: int, present: np.ndarray, values: np.ndarray, counts: np.ndarray):
+    """A feature's result from the records that hold it, their values (flat, in order) and
+    how many each holds."""
+    if spec.fixed:
+        if (counts != spec.size).any():
+            raise Unusual(f"feature {spec.name!r}: a count other than its shape's")
+        if len(present) == count:
+            column = values.reshape(count, spec.size)
+        elif spec.default is None:
+            raise Unusual(f"feature {spec.name!r} missing without a default")
+        else:
+            column = np.empty((count, spec.size), dtype=spec.numpy)
+            column[:] = _default(spec)
+            column[present] = values.reshape(len(present), spec.size)
+        return column.reshape((count,) + spec.shape)
+    lengths = np.zeros(count, np.int64)
+    lengths[present] = counts
+    rows, positions = ragged_positions(lengths)
+    return SparseTensorValue(np.stack([rows, positions], axis=1).reshape(-1, 2), values,
+                             np.array([count, int(lengths.max())], dtype=np.int64))

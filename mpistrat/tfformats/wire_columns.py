@@ -33,10 +33,9 @@ class Unusual(Exception):
 
 
 def padded(data: bytes) -> np.ndarray:
-    """``data`` as ``uint8`` followed by 10 zero bytes (a varint never reads past them)."""
-    buf = np.zeros(len(data) + 10, dtype=np.uint8)
-    buf[:len(data)] = np.frombuffer(data, dtype=np.uint8)
-    return buf
+    """``data`` as ``uint8`` followed by 10 zero bytes (a varint never reads past them),
+    read-only (one copy, made by ``bytes``)."""
+    return np.frombuffer(bytes(data) + bytes(10), dtype=np.uint8)
 
 
 def varints(buf: np.ndarray, pos: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:

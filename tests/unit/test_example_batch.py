@@ -195,6 +195,103 @@ def test_a_record_gets_the_same_answer_whatever_else_is_in_its_batch():
             ms.io.parse_example(batch, features)
 
 
+# -- batches whose records share one layout (example_uniform.py: read as a matrix) ----------
+
+def float_list(bits) -> bytes:
+    packed = np.asarray(bits, np.uint32).astype("<u4").tobytes()
+    body = b"\x0a" + varint(len(packed)) + packed
+    return b"\x12" + varint(len(body)) + body
+
+
+def raw_int64_list(payload: bytes) -> bytes:
+    """A packed int64 list of the given varint bytes (their count follows their high bits)."""
+    body = b"\x0a" + varint(len(payload)) + payload
+    return b"\x1a" + varint(len(body)) + body
+
+
+def bytes_list(values) -> bytes:
+    body = b"".join(b"\x0a" + varint(len(v)) + v for v in values)
+    return b"\x0a" + varint(len(body)) + body
+
+
+UNIFORM = {"x": ms.io.FixedLenFeature([4], "float32"),
+           "label": ms.io.FixedLenFeature([], "int64"),
+           "name": ms.io.FixedLenFeature([2], "string"),
+           "tags": ms.io.VarLenFeature("int64"),
+           "empty": ms.io.VarLenFeature("float32"),
+           "missing": ms.io.FixedLenFeature([2], "int64", default_value=[7, -7]),
+           "absent": ms.io.VarLenFeature("string")}
+
+
+def uniform_record(rng, tags_payload: int = 3, label_bytes: int = 1) -> bytes:
+    """One layout, random values: float bits of every kind (NaN payloads), a label of
+    ``label_bytes`` varint bytes, two 3-byte strings, 3 bytes of varints (1 to 3 values:
+    their high bits decide), an empty float list and a feature nobody asked for (its bytes
+    differ too)."""
+    payload = rng.integers(0, 256, tags_payload, dtype=np.uint8)
+    payload[-1] &= 0x7F                                        # (ends a varint)
+    low = 0 if label_bytes == 1 else 1 << 7 * (label_bytes - 1)
+    label = int(rng.integers(low, min(1 << 7 * label_bytes, 1 << 64), dtype=np.uint64))
+    return example(entry(b"x", float_list(rng.integers(0, 2 ** 32, 4, dtype=np.uint64))),
+                   entry(b"label", raw_int64_list(varint(label))),
+                   entry(b"name", bytes_list([rng.bytes(3), rng.bytes(3)])),
+                   entry(b"tags", raw_int64_list(payload.tobytes())),
+                   entry(b"empty", b"\x12\x00"),
+                   entry(b"unasked", bytes_list([rng.bytes(5)])))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_records_of_one_layout_parse_as_record_by_record(seed):
+    from mpistrat.io.example_uniform import uniform_columns
+    rng = np.random.default_rng(seed)
+    label_bytes = [1, 2, 3, 10][seed % 4]                        # (10: int64's negatives)
+    records = [uniform_record(rng, label_bytes=label_bytes)
+               for _ in range(int(rng.integers(1, 300)))]
+    specs = ex._specs(UNIFORM)
+    assert uniform_columns(records, specs) is not None          # the matrix path ran
+    same(ms.io.parse_example(records, UNIFORM), ex.parse_each(records, specs))
+
+
+def test_records_of_one_length_but_another_layout_take_the_general_way():
+    """Same length, but a key, a tag or a length's encoding differs: not one layout."""
+    from mpistrat.io.example_uniform import uniform_columns
+    rng = np.random.default_rng(5)
+    one = uniform_record(rng)
+    variants = {
+        "another key": one.replace(b"tags", b"tbgs"),
+        "an unpacked list": one[:one.index(b"tags") + 6] + b"\x1a\x05\x08\x01\x08\x81\x01" +
+        one[one.index(b"tags") + 13:],
+        "a key nobody asked for": one.replace(b"unasked", b"unaskee"),
+    }
+    features = dict(UNIFORM, tbgs=ms.io.VarLenFeature("int64"))
+    specs = ex._specs(features)
+    for name, other in variants.items():
+        assert len(other) == len(one) and other != one, name
+        records = [one, other, one]
+        assert uniform_columns(records, specs) is None, name
+        same(ms.io.parse_example(records, features), ex.parse_each(records, specs))
+    longer = example(entry(b"label", b"\x1a\x83\x00\x0a\x01\x05"))   # a non-minimal length
+    assert uniform_columns([longer], ex._specs({"label": UNIFORM["label"]})) is None
+    assert ms.io.parse_example([longer], {"label": UNIFORM["label"]})["label"].tolist() == [5]
+
+
+def test_a_count_that_differs_under_one_layout_raises_as_record_by_record():
+    """Two varint bytes are two values in one record and one in the next: a FixedLen [2]
+    feature must raise the record-by-record path's error, a VarLen one count each."""
+    records = [example(entry(b"n", raw_int64_list(b"\x01\x02"))),
+               example(entry(b"n", raw_int64_list(b"\x81\x01")))]
+    fixed = {"n": ms.io.FixedLenFeature([2], "int64")}
+    with pytest.raises(ms.errors.InvalidArgumentError) as batch:
+        ms.io.parse_example(records, fixed)
+    with pytest.raises(ms.errors.InvalidArgumentError) as each:
+        ex.parse_each(records, ex._specs(fixed))
+    assert str(batch.value) == str(each.value)
+    ragged = {"n": ms.io.VarLenFeature("int64")}
+    got = ms.io.parse_example(records, ragged)["n"]
+    assert got.values.tolist() == [1, 2, 129] and got.indices.tolist() == [[0, 0], [0, 1], [1, 0]]
+    same(ms.io.parse_example(records, ragged), ex.parse_each(records, ex._specs(ragged)))
+
+
 def test_serialized_bytes_keep_their_trailing_zero_bytes():
     """NumPy's ``S`` arrays drop trailing zero bytes; ``serialize_example`` writes the bytes
     given (as ``tf.train.BytesList`` does), a list, a nested list or one value."""

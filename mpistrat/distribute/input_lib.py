@@ -16,10 +16,12 @@ collective timeout) on what they read and on one seed: every file's size and
 modification time (a rank that sees another copy raises on every rank, naming
 it), and the seed of every unseeded shuffle, so no row is duplicated or lost.
 
-Every step the ranks agree with one small all-reduce whether any of them
-still has data and whether one failed to read: all ranks stop on the same
-step, a read failure raises on every rank, and a rank that ran dry meanwhile
-yields 0-row batches of the right dtype and inner shape (as TensorFlow does).
+For every step the ranks agree whether any of them still has data and whether
+one failed to read: all ranks stop on the same step, a read failure raises on
+every rank at the step that failed, and a rank that ran dry meanwhile yields
+0-row batches of the right dtype and inner shape (as TensorFlow does). They
+agree a window of up to 16 steps at a time, read ahead, with one small
+all-reduce (``lockstep.py``), so ranks meet at most every few steps.
 
 *Positions.* An iterator's position is (epoch, step, seed); ``ms.Checkpoint``
 saves it. A restore into any iterator of the same dataset continues the exact
@@ -72,6 +74,7 @@ from mpistrat.data.readers import view_of
 from mpistrat.data.threads import prefetched
 from mpistrat.distribute.context import InputContext
 from mpistrat.distribute.options import InputOptions
+from mpistrat.distribute.lockstep import Lockstep
 from mpistrat.distribute.input_staging import (Prepared, empty_like, gpu_of, regroup, spec_of,
                                                staged, to_gpu)
 from mpistrat.errors import DataLossError, InvalidArgumentError, OutOfRangeError
@@ -134,7 +137,11 @@ class DistributedIterator:
         self._steps = 0
         self._local = None          # opened at the first step (a restore may move it first)
         self._template = None       # the last batch seen: the model for 0-row batches
+        self._seen = False          # whether this rank read a batch (for the layout flag)
+        self._shared = False        # whether the ranks shared a layout (at most once)
         self._parts = None          # the pipeline's fingerprint (_fingerprint)
+        self._lockstep = Lockstep(self._next_local, self._flags, self._counted, _END,
+                                  grow=self._engine.size > 1)
 
     # -- the stream of this rank's steps ---------------------------------------------------
     def _iteration(self) -> ops.Iteration:
@@ -161,6 +168,7 @@ class DistributedIterator:
         return iter(local)
 
     def _close(self) -> None:
+        self._lockstep.clear()
         if self._local is not None and hasattr(self._local, "close"):
             self._local.close()
         self._local = None
@@ -209,12 +217,20 @@ class DistributedIterator:
         validation probe); one rank counts its own flags without a collective."""
         return flags if self._engine.size == 1 else self._engine.count_ranks(flags)
 
+    def _flags(self, element, failure) -> list:
+        """This rank's flags for a step it read (ahead: ``lockstep.py``): static shapes,
+        whether it has no batch and whether it failed; else whether it has data, whether it
+        needs the batch layout (no batch yet) and whether it failed."""
+        if self._static:
+            return [element is _END, failure is not None]
+        blank = element is _END or element is layouts.NO_LAYOUT
+        self._seen = self._seen or not (blank or isinstance(element, Prepared))
+        return [element is not _END, blank and not self._seen and self._template is None,
+                failure is not None]
+
     def _step(self) -> Any:
-        element, failure = self._next_local()
+        element, failure, flags = self._lockstep.next()   # flags: counted over the ranks
         if self._static:  # full batches only: stop when any rank has none left
-            # ranks without a batch and ranks that failed, counted by a float SUM: it
-            # travels inside the validation probe (one collective per step)
-            flags = self._counted([element is _END, failure is not None])
             if flags[1]:
                 agree_errors(self._engine, failure, f"input step {self._steps}")
             if flags[0]:
@@ -225,14 +241,12 @@ class DistributedIterator:
         blank = element is _END or element is layouts.NO_LAYOUT
         if not blank and not isinstance(element, Prepared):
             self._template = element
-        needs = blank and self._template is None
-        # counts of ranks with data / needing the layout / failing to read
-        flags = self._counted([element is not _END, needs, failure is not None])
         if flags[2]:  # a rank could not read (a truncated file, say): every rank raises
             agree_errors(self._engine, failure, f"input step {self._steps}")
         if not flags[0]:
             raise StopIteration  # no rank has data left: everyone stops on this step
-        if flags[1]:  # a rank that never had data learns the batch layout from one that did
+        if flags[1] and not self._shared:  # a rank that never had data learns the layout
+            self._shared = True            # from one that did (then every rank has one)
             spec = share_layout(self._engine, None if self._template is None
                                 else spec_of(self._template))
             if self._template is None:
@@ -370,6 +384,7 @@ class DistributedIterator:
         for cache, contents in zip(self._caches(), held or ()):
             cache.load(contents)
         self._steps, self._template = steps, None
+        self._seen = self._shared = False
         if steps and not self._layout.random_access and self._engine.rank == 0:
             warnings.warn(f"the restored dataset iterator replays {steps} steps: its pipeline "
                           f"has no random access ({_blocker_of(self._layout)}), so its position "

@@ -286,3 +286,45 @@ def test_endless_repeat_yields_its_first_steps_at_once_by_the_finite_rule(strate
     assert local_batches(strategy, finite) == mine
     if case == "repeat-take":   # every rank ends on the same step
         assert next(iterator, None) is None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_failure_on_one_rank_raises_on_every_rank_at_its_step(strategy, world):
+    """Steps are agreed a window at a time, read ahead (``lockstep.py``): every rank still
+    yields each step before the one its input failed on, then raises at that step, naming
+    the rank that failed; the others' reads ahead are not yielded."""
+    failing_rank, bad_step = world.size - 1, 37
+
+    def dataset_fn(ctx):
+        def rows():
+            for step in range(60):
+                if ctx.input_pipeline_id == failing_rank and step == bad_step:
+                    raise ValueError(f"step {step} is bad")
+                yield np.array([step], np.int64)
+        spec = ms.data.TensorSpec(shape=(1,), dtype=np.int64)
+        return Dataset.from_generator(rows, output_signature=spec)
+
+    got = []
+    with pytest.raises(ValueError, match=f"input step {bad_step} failed: rank {failing_rank}"):
+        for values in strategy.distribute_datasets_from_function(dataset_fn):
+            got.append(int(values.values[0][0]))
+    assert got == list(range(bad_step))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_meet_a_window_of_steps_at_a_time(strategy, world):
+    """200 steps take far fewer than 200 collectives (windows grow to 16 steps), and every
+    rank yields the same steps as meeting at each step would: its rows, then 0-row batches
+    while another rank still has data."""
+    engine = strategy.extended.engine
+    rows = 200 * world.size - 1                      # the last global batch is one row short
+    dataset = Dataset.from_tensor_slices(np.arange(rows)).batch(world.size)
+    distributed = strategy.experimental_distribute_dataset(dataset)
+    before = engine._calls                           # (collectives this engine made)
+    steps = [values.values[0].tolist() for values in distributed]
+    meetings = engine._calls - before
+    assert len(steps) == 200
+    assert steps[:-1] == [[s * world.size + world.rank] for s in range(199)]
+    last = 199 * world.size + world.rank
+    assert steps[-1] == ([last] if last < rows else [])
+    assert meetings <= 60, meetings                  # (one a step would be 200)

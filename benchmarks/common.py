@@ -24,6 +24,14 @@ def best_seconds(comm: MPI.Comm, fn: Callable[[], object], repeats: int = 7,
     return best
 
 
+def idle_barrier(comm: MPI.Comm, poll: float = 0.005) -> None:
+    """A barrier that sleeps while it waits (``Ibarrier`` tested every ``poll`` s): ranks
+    that wait for rank 0's one-process runs leave it the other cores (a ``Barrier`` polls)."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(poll)
+
+
 def emit(comm: MPI.Comm, record: Dict) -> None:
     """Print ``record`` as one JSON line on rank 0."""
     if comm.Get_rank() == 0:

@@ -37,7 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import emit  # noqa: E402
+from common import emit, idle_barrier  # noqa: E402
 
 import mpistrat as ms  # noqa: E402
 from mpistrat.tfformats.record_index import index_path  # noqa: E402
@@ -246,7 +246,7 @@ def main():
         if os.path.exists(args.tf_python):
             record["tf_data"] = subprocess_json(args.tf_python, TF_SCRIPT, json.dumps(paths),
                                                 str(args.batch), spec)
-    comm.Barrier()
+    idle_barrier(comm)   # (the other ranks sleep while rank 0 runs alone)
     strategy = ms.MultiWorkerMirroredStrategy()
     runs = [(ms.data.AutoShardPolicy.DATA, False), (ms.data.AutoShardPolicy.FILE, False),
             (ms.data.AutoShardPolicy.DATA, True), (ms.data.AutoShardPolicy.DATA, "autotune")]

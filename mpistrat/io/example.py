@@ -200,15 +200,24 @@ def _specs(features: Dict[str, Any]) -> List[_Spec]:
 
 
 def _key_of(features: Dict[str, Any]):
-    """The features as a key of ``_CHECKED``, or ``None``: only features without a
-    ``default_value`` are kept (a default's bits, -0.0 or 0.0, would hash alike)."""
+    """The features as a key of ``_CHECKED``, or ``None`` (checked anew each time): kept only
+    where every feature has no ``default_value`` (a default's bits, -0.0 or 0.0, would hash
+    alike) and a list or tuple for a shape (a generator is read once); names as their ``str``,
+    as the specs name them (``1`` and ``True`` hash alike)."""
+    key = []
     try:
-        key = tuple((name, type(f), getattr(f, "dtype", None), tuple(getattr(f, "shape", ())),
-                     getattr(f, "allow_missing", None)) for name, f in sorted(features.items())
-                    if getattr(f, "default_value", None) is None)
-        return key if len(key) == len(features) and hash(key) is not None else None
-    except TypeError:      # (a name or dtype that cannot be sorted or hashed: checked anew)
+        for name, f in sorted(features.items()):
+            shape = getattr(f, "shape", ())
+            if getattr(f, "default_value", None) is not None or \
+                    not isinstance(shape, (list, tuple)):
+                return None
+            key.append((str(name), type(f), getattr(f, "dtype", None), tuple(shape),
+                        getattr(f, "allow_missing", None)))
+        key = tuple(key)
+        hash(key)
+    except TypeError:      # (a name or dtype that cannot be sorted or hashed)
         return None
+    return key
 
 
 def _array(pieces: List, spec: _Spec) -> np.ndarray:

@@ -135,13 +135,12 @@ def _column(spec, spans, rows: np.ndarray, data: bytes, count: int, length: int)
         return _NONE, _empty(spec), _NONE
     if spec.dtype == "string":
         values = np.empty(count * len(spans), dtype=object)
-        end = count * length
-        if len(spans) == 1:
+        bases = range(0, count * length, length)     # (an empty last string starts at
+        if len(spans) == 1:                           # the record's length: from 0)
             (a, b), = spans
-            values[:] = [data[at:at + b - a] for at in range(a, end, length)]
+            values[:] = [data[base + a:base + b] for base in bases]
         else:
-            values[:] = [data[base + a:base + b] for base in range(0, end, length)
-                         for a, b in spans]
+            values[:] = [data[base + a:base + b] for base in bases for a, b in spans]
         return everyone, values, np.full(count, len(spans), np.int64)
     start, stop = spans[0] if spans else (0, 0)
     if start == stop:                            # no value in any record (an empty run too)

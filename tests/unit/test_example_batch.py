@@ -302,3 +302,26 @@ def test_serialized_bytes_keep_their_trailing_zero_bytes():
             "Example", {"features": {"feature": {"s": {"bytes_list": {"value": flat}}}}})
         parsed = ms.io.parse_example([record], {"s": ms.io.VarLenFeature("string")})
         assert parsed["s"].values.tolist() == flat
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7])
+def test_an_empty_last_string_of_one_layout_is_an_empty_string_in_every_record(count):
+    """The last string of a record that is empty starts at the record's length (review)."""
+    records = [ex.serialize_example({"x": [float(k)], "z": [b""]}) for k in range(count)]
+    assert all(r.endswith(b"\x0a\x02\x0a\x00") for r in records)   # (keys sorted: z last)
+    for feature in (ms.io.FixedLenFeature([], "string"), ms.io.VarLenFeature("string")):
+        features = {"z": feature, "x": ms.io.FixedLenFeature([], "float32")}
+        same(ms.io.parse_example(records, features), ex.parse_each(records, ex._specs(features)))
+
+
+def test_features_checked_before_are_told_apart_by_name_text_and_shape():
+    """The checked-features cache keys names as the specs name them (1 and True hash alike)
+    and keeps only list or tuple shapes (a generator is read once)."""
+    record = ex.serialize_example({"1": [5], "True": [6], "x": [1.0, 2.0]})
+    int64 = ms.io.FixedLenFeature([], "int64")
+    assert ms.io.parse_example([record], {1: int64})["1"].tolist() == [5]
+    assert ms.io.parse_example([record], {True: int64})["True"].tolist() == [6]
+    for _ in range(2):
+        shape = (d for d in [2])
+        got = ms.io.parse_example([record], {"x": ms.io.FixedLenFeature(shape, "float32")})
+        assert got["x"].tolist() == [[1.0, 2.0]]

@@ -21,7 +21,9 @@ one failed to read: all ranks stop on the same step, a read failure raises on
 every rank at the step that failed, and a rank that ran dry meanwhile yields
 0-row batches of the right dtype and inner shape (as TensorFlow does). They
 agree a window of up to 16 steps at a time, read ahead, with one small
-all-reduce (``lockstep.py``), so ranks meet at most every few steps.
+all-reduce (``lockstep.py``), so ranks meet at most every few steps; where reading
+ahead could change what the user sees (a pipeline without random access, batches
+fetched to a device) they meet at every step.
 
 *Positions.* An iterator's position is (epoch, step, seed); ``ms.Checkpoint``
 saves it. A restore into any iterator of the same dataset continues the exact
@@ -140,8 +142,14 @@ class DistributedIterator:
         self._seen = False          # whether this rank read a batch (for the layout flag)
         self._shared = False        # whether the ranks shared a layout (at most once)
         self._parts = None          # the pipeline's fingerprint (_fingerprint)
+        # windows of steps read ahead only where reading ahead changes nothing the user sees:
+        # a random-access pipeline (its elements a function of their position: not a
+        # generator that waits on the training loop, nor a sequential cache() completed by
+        # reading its end), on the host (device buffers keep their own depth), between ranks
         self._lockstep = Lockstep(self._next_local, self._flags, self._counted, _END,
-                                  grow=self._engine.size > 1)
+                                  grow=self._engine.size > 1 and self._gpu is None and
+                                  self._stage is None and
+                                  getattr(self._layout, "random_access", False))
 
     # -- the stream of this rank's steps ---------------------------------------------------
     def _iteration(self) -> ops.Iteration:

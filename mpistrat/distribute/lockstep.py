@@ -47,12 +47,21 @@ def agreed_size(counts: Sequence[float]) -> int:
 
 
 def _nbytes(element: Any) -> int:
+    """About how many bytes ``element`` holds (strings in object arrays counted), 0 for what
+    cannot be sized: it only bounds a window."""
     try:
-        leaves = nest.flatten(element)
-    except TypeError:
+        return sum(map(_leaf_bytes, nest.flatten(element)))
+    except Exception:  # noqa: BLE001 - a leaf that cannot be sized: it stops nothing
         return 0
-    return sum(len(leaf) if isinstance(leaf, bytes) else int(getattr(leaf, "nbytes", 0) or 0)
-               for leaf in leaves)
+
+
+def _leaf_bytes(leaf: Any) -> int:
+    if isinstance(leaf, (bytes, bytearray, str)):
+        return len(leaf)
+    size = int(getattr(leaf, "nbytes", 0) or 0)
+    if getattr(leaf, "dtype", None) == object:
+        size += sum(len(v) for v in leaf.flat if isinstance(v, (bytes, bytearray, str)))
+    return size
 
 
 class Lockstep:

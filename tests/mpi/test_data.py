@@ -290,9 +290,8 @@ def test_endless_repeat_yields_its_first_steps_at_once_by_the_finite_rule(strate
 
 @pytest.mark.mpi(min_size=2)
 def test_a_failure_on_one_rank_raises_on_every_rank_at_its_step(strategy, world):
-    """Steps are agreed a window at a time, read ahead (``lockstep.py``): every rank still
-    yields each step before the one its input failed on, then raises at that step, naming
-    the rank that failed; the others' reads ahead are not yielded."""
+    """Every rank yields each step before the one its input failed on, then raises at that
+    step, naming the rank that failed (a generator: the ranks meet at every step)."""
     failing_rank, bad_step = world.size - 1, 37
 
     def dataset_fn(ctx):
@@ -313,9 +312,10 @@ def test_a_failure_on_one_rank_raises_on_every_rank_at_its_step(strategy, world)
 
 @pytest.mark.mpi(min_size=2)
 def test_ranks_meet_a_window_of_steps_at_a_time(strategy, world):
-    """200 steps take far fewer than 200 collectives (windows grow to 16 steps), and every
-    rank yields the same steps as meeting at each step would: its rows, then 0-row batches
-    while another rank still has data."""
+    """200 steps of a random-access pipeline take far fewer than 200 collectives (windows
+    grow to 16 steps), and every rank yields the same steps as meeting at each step would:
+    its rows, then 0-row batches while another rank still has data. A generator's ranks
+    meet at every step (it may wait on the loop: nothing is read ahead)."""
     engine = strategy.extended.engine
     rows = 200 * world.size - 1                      # the last global batch is one row short
     dataset = Dataset.from_tensor_slices(np.arange(rows)).batch(world.size)
@@ -328,3 +328,11 @@ def test_ranks_meet_a_window_of_steps_at_a_time(strategy, world):
     last = 199 * world.size + world.rank
     assert steps[-1] == ([last] if last < rows else [])
     assert meetings <= 60, meetings                  # (one a step would be 200)
+
+    def rows():                                      # no random access: no reading ahead
+        yield from (np.array([k], np.int64) for k in range(40 * world.size))
+    spec = ms.data.TensorSpec(shape=(1,), dtype=np.int64)
+    generated = Dataset.from_generator(rows, output_signature=spec).batch(world.size)
+    before = engine._calls
+    assert len(list(strategy.experimental_distribute_dataset(generated))) == 40
+    assert engine._calls - before >= 40

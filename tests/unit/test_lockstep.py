@@ -82,3 +82,14 @@ def test_one_rank_pulls_a_step_at_a_time_and_a_clear_starts_over():
     grown.next(), grown.next()               # windows of 1, then 2: one step left over
     grown.clear()
     assert grown._ahead == type(grown._ahead)() and grown._size == 1
+
+
+def test_a_window_counts_the_bytes_of_strings_and_never_fails_on_a_leaf():
+    import numpy as np
+    strings = np.empty(4, dtype=object)
+    strings[:] = [b"x" * 1000] * 4
+    assert lockstep._nbytes({"s": strings, "n": np.zeros(10)}) == strings.nbytes + 4000 + 80
+
+    class Odd:
+        nbytes = float("nan")
+    assert lockstep._nbytes([Odd()]) == 0

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from mpistrat.io.example_uniform import uniform_columns
+from mpistrat.io.example_uniform import TAGS, uniform_columns
 from mpistrat.io.sparse import SparseTensorValue, ragged_positions
 from mpistrat.tfformats.wire import WireError, read_varint
 from mpistrat.tfformats.wire_columns import (Unusual, as_int64, equal_spans, length_delimited,
@@ -37,7 +37,6 @@ from mpistrat.tfformats.wire_columns import (Unusual, as_int64, equal_spans, len
 
 __all__ = ["parse_batch"]
 
-_TAGS = {"bytes_list": 0x0A, "float_list": 0x12, "int64_list": 0x1A}   # Feature's oneof
 _BYTE_STRINGS = {bytes, bytearray, np.bytes_}
 _KEEP = np.array([(1 << 8 * n) - 1 for n in range(9)], dtype="<u8")  # the first n bytes
 
@@ -103,7 +102,7 @@ def _same_headers(batch: _Batch, spec, entries: np.ndarray):
         return None
     first = batch.data[int(start[0]):int(stop[0])]
     try:
-        if first[0] != _TAGS[spec.kind]:
+        if first[0] != TAGS[spec.kind]:
             return None
         inner, at = read_varint(first, 1, len(first))      # the list's length
         if first[at] != 0x0A:
@@ -155,7 +154,7 @@ def _values(batch: _Batch, spec, entries: np.ndarray):
         if spec.dtype == "int64":
             return _int64s(batch, spec, start, stop)
     list_start, list_stop = _lists(buf, batch.value_start[entries], batch.value_stop[entries],
-                                   _TAGS[spec.kind])
+                                   TAGS[spec.kind])
     counts = np.zeros(len(entries), np.int64)
     if spec.dtype == "string":
         owner, start, stop = repeated_fields(buf, list_start, list_stop, 0x0A)

@@ -31,42 +31,36 @@ from mpistrat.tfformats.wire_columns import Unusual, as_int64, packed_varints
 
 __all__ = ["uniform_columns"]
 
-_TAGS = {"bytes_list": 0x0A, "float_list": 0x12, "int64_list": 0x1A}   # Feature's oneof
+TAGS = {"bytes_list": 0x0A, "float_list": 0x12, "int64_list": 0x1A}   # Feature's oneof
 _NONE = np.zeros(0, np.int64)
-
-
-class _Walk:
-    """Reads one record's canonical fields; ``None`` (via ``_Odd``) for anything else."""
-
-    def __init__(self, record):
-        self.record = record
-
-    def field(self, at: int, end: int, tag: int) -> Tuple[int, int]:
-        """The payload ``(start, stop)`` of the length-delimited field ``tag`` at ``at``,
-        its length a minimal varint, within ``end``."""
-        if at >= end or self.record[at] != tag:
-            raise _Odd
-        size, start = read_varint(self.record, at + 1, end)
-        if start - at - 1 != max(1, (size.bit_length() + 6) // 7) or start + size > end:
-            raise _Odd                                    # (non-minimal, or past the end)
-        return start, start + size
 
 
 class _Odd(Exception):
     """Not the one canonical layout this module reads."""
 
 
-def _entries(walk: _Walk, length: int) -> dict:
+def _field(record, at: int, end: int, tag: int) -> Tuple[int, int]:
+    """The payload ``(start, stop)`` of ``record``'s length-delimited field ``tag`` at
+    ``at``, its length a minimal varint, within ``end``; else ``_Odd``."""
+    if at >= end or record[at] != tag:
+        raise _Odd
+    size, start = read_varint(record, at + 1, end)
+    if start - at - 1 != max(1, (size.bit_length() + 6) // 7) or start + size > end:
+        raise _Odd                                        # (non-minimal, or past the end)
+    return start, start + size
+
+
+def _entries(record, length: int) -> dict:
     """The record's map entries: key bytes -> the Feature's span."""
-    start, stop = walk.field(0, length, 0x0A)             # Example.features, to the end
+    start, stop = _field(record, 0, length, 0x0A)             # Example.features, to the end
     if stop != length:
         raise _Odd
     entries, at = {}, start
     while at < stop:
-        e_start, e_stop = walk.field(at, stop, 0x0A)
-        k_start, k_stop = walk.field(e_start, e_stop, 0x0A)
-        v_start, v_stop = walk.field(k_stop, e_stop, 0x12)
-        key = bytes(walk.record[k_start:k_stop])
+        e_start, e_stop = _field(record, at, stop, 0x0A)
+        k_start, k_stop = _field(record, e_start, e_stop, 0x0A)
+        v_start, v_stop = _field(record, k_stop, e_stop, 0x12)
+        key = bytes(record[k_start:k_stop])
         if v_stop != e_stop or key in entries:
             raise _Odd
         entries[key] = (v_start, v_stop)
@@ -74,21 +68,21 @@ def _entries(walk: _Walk, length: int) -> dict:
     return entries
 
 
-def _payloads(walk: _Walk, spec, start: int, stop: int) -> List[Tuple[int, int]]:
+def _payloads(record, spec, start: int, stop: int) -> List[Tuple[int, int]]:
     """The value payloads of a Feature of ``spec``'s kind: one packed run (or none) for
     numbers, one per string."""
-    l_start, l_stop = walk.field(start, stop, _TAGS[spec.kind])
+    l_start, l_stop = _field(record, start, stop, TAGS[spec.kind])
     if l_stop != stop:
         raise _Odd
     if spec.dtype == "string":
         spans, at = [], l_start
         while at < l_stop:
-            spans.append(walk.field(at, l_stop, 0x0A))
+            spans.append(_field(record, at, l_stop, 0x0A))
             at = spans[-1][1]
         return spans
     if l_start == l_stop:
         return []
-    p_start, p_stop = walk.field(l_start, l_stop, 0x0A)
+    p_start, p_stop = _field(record, l_start, l_stop, 0x0A)
     if p_stop != l_stop or (spec.dtype == "float32" and (p_stop - p_start) % 4):
         raise _Odd
     return [(p_start, p_stop)]
@@ -101,10 +95,9 @@ def uniform_columns(records: List[Any], specs) -> Optional[List[tuple]]:
     lengths = np.fromiter(map(len, records), np.int64, count)
     if not length or lengths.min() != length or lengths.max() != length:
         return None
-    walk = _Walk(records[0])
     try:
-        entries = _entries(walk, length)
-        spans = {spec.name: _payloads(walk, spec, *entries[spec.key])
+        entries = _entries(records[0], length)
+        spans = {spec.name: _payloads(records[0], spec, *entries[spec.key])
                  for spec in specs if spec.key in entries}
     except (_Odd, WireError, IndexError):
         return None

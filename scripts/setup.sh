@@ -66,7 +66,7 @@ fi
 
 PIP="$PY -m pip install -q --disable-pip-version-check"
 $PIP --upgrade pip "setuptools>=77" wheel
-$PIP numpy "cython>=3" pkgconfig pytest pytest-mpi pytest-timeout tqdm
+$PIP numpy "cython>=3" pkgconfig pytest pytest-mpi pytest-timeout tqdm filelock
 
 # 3. mpi4py and h5py compiled against this MPI and its parallel HDF5. pip caches the wheels it
 #    builds without the compiler in the key, so each MPI keeps a cache of its own.

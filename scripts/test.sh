@@ -11,6 +11,13 @@ export PYTHONUNBUFFERED=1
 logs=out/test-logs
 rm -rf "$logs"; mkdir -p "$logs"
 failed_runs=""
+# JAX's persistent compilation cache, for this run only: every stage compiles the same programs
+# again (Keras and Flax train steps, mesh programs, at each width and under each MPI), and a
+# program read back from the cache is the one XLA compiled. Its size limit turns on JAX's file
+# lock (the filelock package), so ranks compiling one program at once never read a torn entry.
+export JAX_COMPILATION_CACHE_DIR=$PWD/out/jax-cache JAX_COMPILATION_CACHE_MAX_SIZE=$((4 << 30)) \
+       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
+rm -rf "$JAX_COMPILATION_CACHE_DIR"
 
 summary() {  # the counts in pytest's closing line of log $1
     grep -aE "[0-9]+ (passed|failed|errors?|skipped).* in [0-9.]+s" "$1" | tail -n 1

@@ -28,11 +28,11 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
-from mpistrat.io.example_uniform import TAGS, uniform_columns
+from mpistrat.io.example_uniform import TAGS, JoinedRecords, uniform_columns
 from mpistrat.io.sparse import SparseTensorValue, ragged_positions
 from mpistrat.tfformats.wire import WireError, read_varint
 from mpistrat.tfformats.wire_columns import (Unusual, as_int64, equal_spans, length_delimited,
-                                             packed_varints, padded, repeated_fields, spans_bytes,
+                                             packed_varints, repeated_fields, spans_bytes,
                                              varints)
 
 __all__ = ["parse_batch"]
@@ -55,11 +55,9 @@ def parse_batch(records: List[Any], specs) -> Optional[Dict[str, Any]]:
 class _Batch:
     """The joined records and their map entries: record, key span and value span."""
 
-    def __init__(self, records: List[bytes]):
-        self.count = len(records)
-        self.data = b"".join(records)
-        self.buf = buf = padded(self.data)
-        lengths = np.fromiter(map(len, records), np.int64, self.count)
+    def __init__(self, joined: JoinedRecords):
+        self.count, self.data, self.buf = joined.count, joined.data, joined.buf
+        buf, lengths = joined.buf, joined.lengths
         stop = np.cumsum(lengths)
         start = stop - lengths
         some = np.flatnonzero(lengths)                   # an empty record: no features
@@ -191,9 +189,10 @@ def _default(spec) -> np.ndarray:
 
 
 def _parse(records: List[bytes], specs) -> Dict[str, Any]:
-    count, columns = len(records), uniform_columns(records, specs)   # one layout: a matrix
+    joined = JoinedRecords(records)
+    count, columns = len(records), uniform_columns(joined, specs)   # one layout: a matrix
     if columns is None:
-        batch = _Batch(records)
+        batch = _Batch(joined)
         columns = []
         for spec in specs:
             entries = batch.entries_of(spec.name)

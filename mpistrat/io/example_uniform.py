@@ -18,21 +18,34 @@ is the same bit for bit::
     >>> specs = ex._specs({"x": ex.FixedLenFeature([2], "float32"),
     ...                    "id": ex.FixedLenFeature([], "int64")})
     >>> [(present.tolist(), values.tolist()) for present, values, _ in
-    ...  uniform_columns(data, specs)]
+    ...  uniform_columns(JoinedRecords(data), specs)]
     [([0, 1], [7, 8]), ([0, 1], [1.5, 2.0, 3.0, 4.0])]
 """
 
-from typing import Any, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 from mpistrat.tfformats.wire import WireError, read_varint
 from mpistrat.tfformats.wire_columns import Unusual, as_int64, packed_varints
 
-__all__ = ["uniform_columns"]
+__all__ = ["JoinedRecords", "uniform_columns"]
 
 TAGS = {"bytes_list": 0x0A, "float_list": 0x12, "int64_list": 0x1A}   # Feature's oneof
 _NONE = np.zeros(0, np.int64)
+_PAD = bytes(10)
+
+
+class JoinedRecords:
+    """A batch's records joined once, for this module and ``example_batch``'s general way:
+    ``data`` (the records, then 10 zero bytes: no varint read runs past the end), the same
+    bytes as ``uint8`` (``buf``), ``count`` and each record's length (``lengths``)."""
+
+    def __init__(self, records: List[bytes]):
+        self.count = len(records)
+        self.lengths = np.fromiter(map(len, records), np.int64, self.count)
+        self.data = b"".join([*records, _PAD])
+        self.buf = np.frombuffer(self.data, np.uint8)
 
 
 class _Odd(Exception):
@@ -88,16 +101,17 @@ def _payloads(record, spec, start: int, stop: int) -> List[Tuple[int, int]]:
     return [(p_start, p_stop)]
 
 
-def uniform_columns(records: List[Any], specs) -> Optional[List[tuple]]:
+def uniform_columns(joined: JoinedRecords, specs) -> Optional[List[tuple]]:
     """Per spec ``(records present, values, counts)`` as ``example_batch`` finds them, when
     every record has the first one's layout; else ``None``."""
-    count, length = len(records), len(records[0])
-    lengths = np.fromiter(map(len, records), np.int64, count)
+    count, lengths, data = joined.count, joined.lengths, joined.data
+    length = int(lengths[0])
     if not length or lengths.min() != length or lengths.max() != length:
         return None
+    first = data[:length]
     try:
-        entries = _entries(records[0], length)
-        spans = {spec.name: _payloads(records[0], spec, *entries[spec.key])
+        entries = _entries(first, length)
+        spans = {spec.name: _payloads(first, spec, *entries[spec.key])
                  for spec in specs if spec.key in entries}
     except (_Odd, WireError, IndexError):
         return None
@@ -109,8 +123,7 @@ def uniform_columns(records: List[Any], specs) -> Optional[List[tuple]]:
             structure[slice(*entries[spec.key])] = True
             for start, stop in spans[spec.name]:
                 structure[start:stop] = False
-    data = b"".join(records)
-    rows = np.frombuffer(data, np.uint8).reshape(count, length)
+    rows = joined.buf[:count * length].reshape(count, length)
     edges = np.flatnonzero(np.diff(structure, prepend=False, append=False))
     for start, stop in edges.reshape(-1, 2).tolist():     # the runs of structural bytes
         if not (rows[:, start:stop] == rows[0, start:stop]).all():

@@ -24,18 +24,12 @@ from typing import Tuple
 
 import numpy as np
 
-__all__ = ["Unusual", "padded", "varints", "length_delimited", "repeated_fields",
+__all__ = ["Unusual", "varints", "length_delimited", "repeated_fields",
            "spans_bytes", "equal_spans", "packed_varints", "as_int64"]
 
 
 class Unusual(Exception):
     """Messages this decoder leaves to the caller's exact path (valid or not: it decides)."""
-
-
-def padded(data: bytes) -> np.ndarray:
-    """``data`` as ``uint8`` followed by 10 zero bytes (a varint never reads past them),
-    read-only (one copy, made by ``bytes``)."""
-    return np.frombuffer(bytes(data) + bytes(10), dtype=np.uint8)
 
 
 def varints(buf: np.ndarray, pos: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:

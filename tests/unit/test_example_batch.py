@@ -242,19 +242,19 @@ def uniform_record(rng, tags_payload: int = 3, label_bytes: int = 1) -> bytes:
 
 @pytest.mark.parametrize("seed", range(12))
 def test_records_of_one_layout_parse_as_record_by_record(seed):
-    from mpistrat.io.example_uniform import uniform_columns
+    from mpistrat.io.example_uniform import JoinedRecords, uniform_columns
     rng = np.random.default_rng(seed)
     label_bytes = [1, 2, 3, 10][seed % 4]                        # (10: int64's negatives)
     records = [uniform_record(rng, label_bytes=label_bytes)
                for _ in range(int(rng.integers(1, 300)))]
     specs = ex._specs(UNIFORM)
-    assert uniform_columns(records, specs) is not None          # the matrix path ran
+    assert uniform_columns(JoinedRecords(records), specs) is not None          # the matrix path ran
     same(ms.io.parse_example(records, UNIFORM), ex.parse_each(records, specs))
 
 
 def test_records_of_one_length_but_another_layout_take_the_general_way():
     """Same length, but a key, a tag or a length's encoding differs: not one layout."""
-    from mpistrat.io.example_uniform import uniform_columns
+    from mpistrat.io.example_uniform import JoinedRecords, uniform_columns
     rng = np.random.default_rng(5)
     one = uniform_record(rng)
     variants = {
@@ -268,10 +268,10 @@ def test_records_of_one_length_but_another_layout_take_the_general_way():
     for name, other in variants.items():
         assert len(other) == len(one) and other != one, name
         records = [one, other, one]
-        assert uniform_columns(records, specs) is None, name
+        assert uniform_columns(JoinedRecords(records), specs) is None, name
         same(ms.io.parse_example(records, features), ex.parse_each(records, specs))
     longer = example(entry(b"label", b"\x1a\x83\x00\x0a\x01\x05"))   # a non-minimal length
-    assert uniform_columns([longer], ex._specs({"label": UNIFORM["label"]})) is None
+    assert uniform_columns(JoinedRecords([longer]), ex._specs({"label": UNIFORM["label"]})) is None
     assert ms.io.parse_example([longer], {"label": UNIFORM["label"]})["label"].tolist() == [5]
 
 

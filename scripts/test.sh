@@ -11,13 +11,15 @@ export PYTHONUNBUFFERED=1
 logs=out/test-logs
 rm -rf "$logs"; mkdir -p "$logs"
 failed_runs=""
-# JAX's persistent compilation cache, for this run only: every stage compiles the same programs
-# again (Keras and Flax train steps, mesh programs, at each width and under each MPI), and a
-# program read back from the cache is the one XLA compiled. Its size limit turns on JAX's file
-# lock (the filelock package), so ranks compiling one program at once never read a torn entry.
-export JAX_COMPILATION_CACHE_DIR=$PWD/out/jax-cache JAX_COMPILATION_CACHE_MAX_SIZE=$((4 << 30)) \
-       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
-rm -rf "$JAX_COMPILATION_CACHE_DIR"
+# JAX's persistent compilation cache for the multi-rank runs of tests/mpi and tests/tpu (ranks_run,
+# below), emptied here: each of those runs compiled the same Keras/Flax steps and mesh programs
+# again at each width and under each MPI, and a program read back is the one XLA compiled. Only
+# there: no test in them kills or stops a rank, and a process killed while writing an entry
+# would leave it torn (JAX writes in place) and warn in every later process that compiles it.
+# Its size limit turns on JAX's file lock (the filelock package): no rank reads a half-written
+# entry. Programs that compile in under 0.1 s (eager operations) are not worth an entry.
+jax_cache=$PWD/out/jax-cache
+rm -rf "$jax_cache"
 
 summary() {  # the counts in pytest's closing line of log $1
     grep -aE "[0-9]+ (passed|failed|errors?|skipped).* in [0-9.]+s" "$1" | tail -n 1
@@ -45,6 +47,8 @@ timeout --kill-after=15 900 "$PY" -m pytest -q --color=no -p no:cacheprovider --
 # failure the logs of ranks > 0 are shown. [Gloo] lines are JAX's connection chatter.
 ranks_run() {
     local name=$1 n=$2 tests=$3 limit=${4:-900} timeout=${5:-120}
+    JAX_COMPILATION_CACHE_DIR=$jax_cache JAX_COMPILATION_CACHE_MAX_SIZE=$((4 << 30)) \
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.1 \
     scripts/mpirun --limit "$limit" -n "$n" "$PY" scripts/rank_pytest.py "$logs/$name" \
         -q --color=no -p no:cacheprovider --timeout="$timeout" --timeout-method=thread $tests 2>&1 \
         | grep -av '^\[Gloo\]' | tee "$logs/$name.rank0.log"

@@ -50,7 +50,7 @@ ranks_run() {
     JAX_COMPILATION_CACHE_DIR=$jax_cache JAX_COMPILATION_CACHE_MAX_SIZE=$((4 << 30)) \
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.1 \
     scripts/mpirun --limit "$limit" -n "$n" "$PY" scripts/rank_pytest.py "$logs/$name" \
-        -q --color=no -p no:cacheprovider --timeout="$timeout" --timeout-method=thread $tests 2>&1 \
+        -q --color=no -p no:cacheprovider --durations=12 --timeout="$timeout" --timeout-method=thread $tests 2>&1 \
         | grep -av '^\[Gloo\]' | tee "$logs/$name.rank0.log"
     if [ "${PIPESTATUS[0]}" -ne 0 ]; then
         failed_runs="$failed_runs $name"

@@ -7,6 +7,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 PY=$PWD/.venv/bin/python
+# The package's bytecode, compiled once (again only for files that changed). Where
+# PYTHONDONTWRITEBYTECODE is set, as on this project's CI machines, Python reads .pyc files but
+# never writes them, so every process the suite starts compiled mpistrat's 170 modules from
+# source: 0.5 s of each start-up (tests/launcher/test_info.py and test_settings_jobs.py took 70 s
+# instead of 51 s).
+"$PY" -m compileall -q mpistrat >/dev/null || exit 1
 export PYTHONUNBUFFERED=1
 logs=out/test-logs
 rm -rf "$logs"; mkdir -p "$logs"

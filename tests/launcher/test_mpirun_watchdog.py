@@ -42,9 +42,13 @@ def test_an_mpirun_that_outlives_its_ranks_is_killed_and_named_and_the_output_ke
                             env=_env(MPISTRAT_MPIRUN_ORPHAN_SECONDS="2"), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     mpirun = _mpirun_child(proc.pid, start + 30)
-    time.sleep(1.5)                      # the rank has started and printed
+    first = ""                           # until the rank has started and printed (a fixed
+    while "rank says hello" not in first:  # sleep here raced a slow start on a loaded machine)
+        line = proc.stdout.readline()
+        assert line, first
+        first += line
     os.kill(mpirun, signal.SIGSTOP)      # mpirun makes no progress from here on
-    out = proc.communicate(timeout=90)[0]
+    out = first + proc.communicate(timeout=90)[0]
     seconds = time.monotonic() - start
     assert proc.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), (proc.returncode, out)
     assert f"mpirun.openmpi (pid {mpirun}) outlived all of its ranks by 2 s" in out, out

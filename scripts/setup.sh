@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-command, idempotent set-up for a fresh Debian machine:
 #   Debian's Open MPI and parallel HDF5, a virtual environment in .venv,
-#   mpi4py, numpy, pytest, pytest-mpi, tqdm, JAX (CPU), scikit-learn and
+#   mpi4py, numpy, pytest, pytest-mpi, pytest-xdist, tqdm, JAX (CPU), scikit-learn and
 #   matplotlib (the main job), h5py built against parallel HDF5, the optional
 #   frameworks the tests port programs from (Keras 3, Flax, optax, Equinox,
 #   ml_dtypes), protobuf and CRC-32C for TensorFlow's files, and Debian's
@@ -66,7 +66,7 @@ fi
 
 PIP="$PY -m pip install -q --disable-pip-version-check"
 $PIP --upgrade pip "setuptools>=77" wheel
-$PIP numpy "cython>=3" pkgconfig pytest pytest-mpi pytest-timeout tqdm filelock
+$PIP numpy "cython>=3" pkgconfig pytest pytest-mpi pytest-timeout pytest-xdist tqdm filelock
 
 # 3. mpi4py and h5py compiled against this MPI and its parallel HDF5. pip caches the wheels it
 #    builds without the compiler in the key, so each MPI keeps a cache of its own.

@@ -17,6 +17,11 @@ cd "$(dirname "$0")/.."
 
 MPI_FLAVOR=openmpi
 if [ "${1:-}" = "--mpi" ]; then MPI_FLAVOR=$2; shift 2; fi
+# --packages-only: step 1 alone (the Debian packages), then stop. scripts/test.sh installs
+# MPICH's packages this way in the foreground (apt may ask for sudo's password) and builds
+# .venv-mpich in the background.
+PACKAGES_ONLY=no
+if [ "${1:-}" = "--packages-only" ]; then PACKAGES_ONLY=yes; shift; fi
 case "$MPI_FLAVOR" in
     openmpi)
         VENV=${VENV:-.venv}             # (VENV names the Open MPI environment only)
@@ -54,6 +59,7 @@ if [ -n "$missing" ]; then
     sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get update -qq
     sudo_if_needed env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
 fi
+[ "$PACKAGES_ONLY" = no ] || exit 0
 
 # 2. Virtual environment.
 [ -x "$PY" ] || python3 -m venv "$VENV"
@@ -66,7 +72,7 @@ fi
 
 PIP="$PY -m pip install -q --disable-pip-version-check"
 $PIP --upgrade pip "setuptools>=77" wheel
-$PIP numpy "cython>=3" pkgconfig pytest pytest-mpi pytest-timeout pytest-xdist tqdm filelock
+$PIP numpy "cython>=3" pkgconfig pytest pytest-mpi pytest-timeout "pytest-xdist>=3.2" tqdm filelock
 
 # 3. mpi4py and h5py compiled against this MPI and its parallel HDF5. pip caches the wheels it
 #    builds without the compiler in the key, so each MPI keeps a cache of its own.

@@ -6,6 +6,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
+# MPICH's Debian packages now, in the foreground (apt may ask for sudo's password); its
+# environment is built later, in the background (mpich_first below).
+bash scripts/setup.sh --mpi mpich --packages-only || echo "setup: MPICH's packages failed; the MPICH stage will say so"
 PY=$PWD/.venv/bin/python
 # The package's bytecode, compiled once (again only for files that changed). Where
 # PYTHONDONTWRITEBYTECODE is set, as on this project's CI machines, Python reads .pyc files but
@@ -35,8 +38,10 @@ summary() {  # the counts in pytest's closing line of log $1
 # and the main job, preemption, Slurm template and example tests launch whole training jobs)
 # in two pytest workers (pytest-xdist): one at a time they left a core idle 30-40% of the time
 # (1-rank jobs, start-ups, tests that wait on a stopped rank's timeout); two side by side took
-# 850 s instead of 1070 s. The launcher tests come first, so the long ones start early and the
-# many short unit tests fill in at the end. Each test has its own tmp_path and its own jobs.
+# 850 s instead of 1070 s. Each worker starts on one half of the list (the launcher tests first,
+# then the unit tests) and takes tests from the other's queue when its own runs out
+# (--dist worksteal), so the many short unit tests fill in the gaps. Each test has its own
+# tmp_path and its own jobs; a module's fixtures may be built once in each worker.
 echo "=== single-process tests (launcher with the main job, preemption, Slurm templates and examples; unit), two workers; then GPU tests, which skip without a GPU"
 timeout --kill-after=15 1800 "$PY" -m pytest -q --color=no -p no:cacheprovider --durations=20 --timeout=300 --timeout-method=thread \
     -n 2 --dist worksteal tests/launcher tests/unit 2>&1 | tee "$logs/single.log" || failed_runs="$failed_runs single"
@@ -79,6 +84,7 @@ mpich_first() {
 }
 mpich_first &
 mpich_first_pid=$!
+trap 'kill "$mpich_first_pid" 2>/dev/null || true' EXIT
 for n in 1 2 3 4; do
     echo "=== multi-rank tests at $n ranks$([ "$n" = 1 ] && echo " (beside MPICH's set-up and singleton tests)")"
     ranks_run "np$n" "$n" tests/mpi
